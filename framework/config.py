@@ -1,0 +1,85 @@
+"""User-facing engine configuration, validated at the edge (CLI flags, `LLM(...)` kwargs).
+
+Field names follow vLLM's flags (`max_model_len`, `max_num_seqs`, ...) so users can
+switch. Invalid values raise `InvalidParameterError` naming the field and the range.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import InvalidParameterError
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
+COMPILATION_MODES = ("none", "default", "max")
+EXECUTOR_BACKENDS = ("auto", "uni", "mp", "ray")
+
+
+class EngineConfig(BaseModel):
+    """Everything that decides how one engine runs one model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str | None = Field(None, description="HF folder or hub id; None uses the random-weight demo checkpoint")
+    tokenizer: str | None = Field(None, description="tokenizer folder if not the model's")
+    revision: str | None = None
+    served_model_name: str | None = None
+    device: str = Field("auto", description="'auto' or a platform name (cpu, cuda, rocm, xpu, tpu, plugin)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    max_num_seqs: int = Field(128, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache")
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks (tests)")
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    tensor_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["auto", "uni", "mp", "ray"] = "auto"
+    attention_backend: str | None = None
+    quantization: str | None = None
+    compilation_mode: Literal["none", "default", "max"] | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+    max_logprobs: int = Field(20, ge=0)
+    strict_plugins: bool = False
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.enforce_eager and self.compilation_mode not in (None, "none"):
+            raise ValueError("enforce_eager conflicts with compilation_mode=%r" % self.compilation_mode)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        return self
+
+    @classmethod
+    def create(cls, **kwargs) -> "EngineConfig":
+        """Validate `kwargs`, turning pydantic's error into one that names the parameter."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise config_error(exc) from None
+
+    @property
+    def effective_compilation_mode(self) -> str | None:
+        """The mode asked for, or None to let the platform's measured default decide."""
+        return "none" if self.enforce_eager else self.compilation_mode
+
+
+def config_error(exc: ValidationError) -> InvalidParameterError:
+    """First pydantic error as an InvalidParameterError naming the field."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ())) or "config"
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown parameter"
+    value = err.get("input")
+    shown = f" (got {value!r})" if err.get("type") != "extra_forbidden" and not isinstance(value, dict) else ""
+    return InvalidParameterError(param, f"{param}: {msg}{shown}")

@@ -1,0 +1,1 @@
+"""portaserve.framework.engine"""

@@ -1,0 +1,34 @@
+"""Abstract interfaces a platform plugin implements. See DESIGN.md, "Interfaces"."""
+
+from .attention import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
+from .communicator import Communicator
+from .kv_cache import KVCacheAllocator
+from .model import ModelArchitecture
+from .platform import (
+    SCORE_ACCELERATOR,
+    SCORE_CPU,
+    DeviceInfo,
+    Platform,
+    PlatformCapabilities,
+    ProbeResult,
+    Unavailable,
+)
+from .quantization import QuantMethod
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionBatch",
+    "AttentionMetadata",
+    "AttentionSpec",
+    "Communicator",
+    "DeviceInfo",
+    "KVCacheAllocator",
+    "ModelArchitecture",
+    "Platform",
+    "PlatformCapabilities",
+    "ProbeResult",
+    "QuantMethod",
+    "SCORE_ACCELERATOR",
+    "SCORE_CPU",
+    "Unavailable",
+]

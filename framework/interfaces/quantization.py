@@ -1,0 +1,66 @@
+"""The `QuantMethod` interface: how a linear layer stores its weight and multiplies.
+
+Every linear layer of every model owns one QuantMethod instance, chosen in the
+ExecutionPlan. The method creates the layer's parameters (so the loader knows what
+checkpoint tensors to expect), post-processes them once after loading (quantize,
+repack for a kernel) and applies the layer to an input. Methods are gated by the
+platform's declared features, never by a vendor name or an SM number.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+class QuantMethod(ABC):
+    """Weight storage and matmul of one linear layer."""
+
+    name: ClassVar[str]
+    #: Platform names this method runs on; None means every platform.
+    platforms: ClassVar[frozenset[str] | None] = None
+    #: Platform features required (e.g. "fp8_matmul"); see PlatformCapabilities.features.
+    required_features: ClassVar[frozenset[str]] = frozenset()
+    #: Activation dtypes the method accepts.
+    supported_act_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
+        {torch.float32, torch.bfloat16, torch.float16}
+    )
+
+    def __init__(self, config: dict | None = None) -> None:
+        #: The checkpoint's `quantization_config` (pre-quantized) or None (online / none).
+        self.config = config or {}
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        bias: bool,
+    ) -> None:
+        """Register the layer's parameters (names the checkpoint uses: `weight`, `bias`, scales).
+
+        :param input_size: input features held by this rank.
+        :param output_size: output features held by this rank.
+        """
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn loaded checkpoint tensors into the form `apply` uses (quantize, repack)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute `x @ W^T (+ bias)`.
+
+        :param x: [..., input_size]
+        :returns: [..., output_size]
+        """
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes the layer's weights occupy after processing (for memory reports)."""
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + sum(
+            b.numel() * b.element_size() for b in layer.buffers(recurse=False)
+        )

@@ -1,0 +1,101 @@
+"""What layers see: `LayerContext` when a model is built, `StepContext` on every forward.
+
+Models and layers never import a platform or a kernel; they get their QuantMethod,
+AttentionBackend instances and fused ops from the LayerContext, which the worker builds
+from the ExecutionPlan (looked up by name in the plugin registry, never re-selected).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .interfaces import AttentionBackend, AttentionMetadata, Communicator, QuantMethod
+from .plan import ExecutionPlan
+from .plugins import PluginRegistry
+
+
+class OpTable:
+    """Fused op implementations bound by the plan; `get(name)` is None when the layer's
+    own torch code should run."""
+
+    def __init__(self, ops: Mapping[str, Callable] | None = None) -> None:
+        self._ops = dict(ops or {})
+
+    def get(self, name: str) -> Callable | None:
+        return self._ops.get(name)
+
+    def names(self) -> dict[str, str]:
+        return {k: getattr(v, "__qualname__", repr(v)) for k, v in self._ops.items()}
+
+
+@dataclass
+class LayerContext:
+    """Everything a model needs to construct its layers on one rank."""
+
+    plan: ExecutionPlan
+    registry: PluginRegistry
+    device: torch.device
+    tp_rank: int = 0
+    tp_size: int = 1
+    communicator: Communicator | None = None
+    ops: OpTable = field(default_factory=OpTable)
+    _attention: dict[str, AttentionBackend] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.plan.torch_dtype
+
+    def quant_method(self, prefix: str = "") -> QuantMethod:
+        """A fresh QuantMethod instance for the linear layer at `prefix` (e.g. 'model.layers.0.mlp')."""
+        cls = self.registry.get("quant_methods", self.plan.quantization.name)
+        method = cls(dict(self.plan.quantization_config))
+        method.prefix = prefix
+        return method
+
+    def attention_backend(self, layer_type: str) -> AttentionBackend:
+        """The backend instance serving `layer_type` layers (shared by all such layers)."""
+        backend = self._attention.get(layer_type)
+        if backend is None:
+            cls = self.registry.get("attention_backends", self.plan.attention_backend_for(layer_type).name)
+            backend = cls(self.plan.spec_for(layer_type), self.plan.block_size, self.device)
+            self._attention[layer_type] = backend
+        return backend
+
+    def attention_backends(self) -> dict[str, AttentionBackend]:
+        """Every layer type's backend, instantiated (the runner builds metadata with them)."""
+        return {t: self.attention_backend(t) for t, _ in self.plan.attention}
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: ExecutionPlan,
+        registry: PluginRegistry,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        communicator: Communicator | None = None,
+    ) -> "LayerContext":
+        impls = {}
+        for op, impl_name in plan.custom_ops:
+            for _plugin, impl in registry.custom_ops:
+                if impl.op == op and impl.name == impl_name:
+                    impls[op] = impl.load()
+                    break
+        return cls(plan, registry, device, tp_rank, tp_size, communicator, OpTable(impls))
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """Per-forward inputs besides token ids and positions."""
+
+    #: layer type -> metadata built by that type's backend for this step
+    attn_metadata: Mapping[str, AttentionMetadata]
+    #: one KV tensor per attention layer (index = the layer's `layer_idx`); empty for encoders
+    kv_caches: Sequence[torch.Tensor] = ()
+    #: query_start_loc: [num_seqs + 1] int32 on the host (pooling needs sequence bounds)
+    query_start_loc: torch.Tensor | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)

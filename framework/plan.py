@@ -1,0 +1,325 @@
+"""The ExecutionPlan: every component choice for one engine, made once, before weights load.
+
+The driver resolves the plan from the config, the chosen platform, the plugins'
+components and the checkpoint's config.json; workers receive it and look components up
+by name, never re-selecting. Each choice records why it won and what it beat. A request
+the platform cannot serve fails here with what is supported instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .errors import UnsupportedError
+from .interfaces import AttentionSpec, DeviceInfo, Platform
+from .plugins import PluginRegistry
+from .selection import PlatformChoice
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HF_DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One decision: the name chosen, why, and the candidates it beat (name, why not)."""
+
+    name: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionPlan:
+    """Frozen, picklable, printable: what runs, where, and why."""
+
+    platform: Choice
+    device: DeviceInfo
+    model_architecture: Choice
+    dtype: str
+    attention: tuple[tuple[str, Choice], ...]  # (layer type, backend choice)
+    attention_specs: tuple[tuple[str, AttentionSpec], ...]
+    kv_cache_dtype: str
+    block_size: int
+    kv_cache_allocator: Choice
+    communicator: Choice
+    quantization: Choice
+    compilation: Choice  # name = mode; reason names the platform's compile backend
+    compile_backend: str | None
+    custom_ops: tuple[tuple[str, str], ...] = ()  # (op, implementation name or "torch")
+    tensor_parallel_size: int = 1
+    quantization_config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def attention_backend_for(self, layer_type: str) -> str:
+        return dict(self.attention)[layer_type]
+
+    def spec_for(self, layer_type: str) -> AttentionSpec:
+        return dict(self.attention_specs)[layer_type]
+
+    def choices(self) -> list[tuple[str, Choice]]:
+        rows = [("platform", self.platform), ("model", self.model_architecture)]
+        rows += [(f"attention[{t}]", c) for t, c in self.attention]
+        rows += [
+            ("kv_cache_allocator", self.kv_cache_allocator),
+            ("communicator", self.communicator),
+            ("quantization", self.quantization),
+            ("compilation", self.compilation),
+        ]
+        return rows
+
+    def __str__(self) -> str:
+        lines = [
+            "ExecutionPlan",
+            f"  device            {self.device.describe()}",
+            f"  dtype             {self.dtype}",
+            f"  kv cache          dtype={self.kv_cache_dtype} block_size={self.block_size}",
+            f"  tensor parallel   {self.tensor_parallel_size}",
+        ]
+        for label, choice in self.choices():
+            lines.append(f"  {label:<18}{choice.name}  ({choice.reason})")
+            for cand, why in choice.rejected:
+                lines.append(f"  {'':<18}  not {cand}: {why}")
+        if self.custom_ops:
+            lines.append("  ops               " + ", ".join(f"{op}={impl}" for op, impl in self.custom_ops))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["attention_specs"] = {t: {**asdict(s), "dtype": dtype_name(s.dtype)} for t, s in self.attention_specs}
+        out["attention"] = {t: asdict(c) for t, c in self.attention}
+        return json.loads(json.dumps(out, default=str))
+
+
+def checkpoint_dtype(hf_config: Mapping[str, Any]) -> str:
+    """The dtype a checkpoint declares (`torch_dtype`, or `dtype` in newer transformers)."""
+    raw = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    raw = str(raw).removeprefix("torch.")
+    raw = _HF_DTYPE_ALIASES.get(raw, raw)
+    return raw if raw in DTYPES else "float32"
+
+
+def resolve_plan(
+    config: EngineConfig,
+    registry: PluginRegistry,
+    platform_choice: PlatformChoice,
+    hf_config: Mapping[str, Any],
+) -> ExecutionPlan:
+    """Make every choice for `config` on the chosen platform, or fail saying what is supported."""
+    platform = platform_choice.instantiate()
+    caps = platform.capabilities()
+    platform_row = Choice(platform.name, platform_choice.reason, platform_choice.rejected)
+
+    arch_choice, arch_cls = _choose_architecture(registry, hf_config)
+    dtype = _choose_dtype(config, platform, hf_config)
+    torch_dtype = DTYPES[dtype]
+    if config.kv_cache_dtype not in caps.kv_cache_dtypes:
+        raise UnsupportedError(
+            f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported on platform {platform.name}; "
+            f"supported: {sorted(caps.kv_cache_dtypes)}"
+        )
+    specs = arch_cls.attention_specs(hf_config, torch_dtype, config.kv_cache_dtype)
+    attention = tuple(
+        (layer_type, _choose_attention(config, registry, platform, layer_type, spec)) for layer_type, spec in specs.items()
+    )
+    quant_choice, quant_config = _choose_quantization(config, registry, platform, hf_config, torch_dtype)
+    compilation, compile_backend = _choose_compilation(config, platform)
+    return ExecutionPlan(
+        platform=platform_row,
+        device=platform.info,
+        model_architecture=arch_choice,
+        dtype=dtype,
+        attention=attention,
+        attention_specs=tuple(specs.items()),
+        kv_cache_dtype=config.kv_cache_dtype,
+        block_size=config.block_size,
+        kv_cache_allocator=_choose_component(registry, "kv_cache_allocators", platform, platform.default_kv_cache_allocator()),
+        communicator=_choose_component(registry, "communicators", platform, platform.default_communicator()),
+        quantization=quant_choice,
+        compilation=compilation,
+        compile_backend=compile_backend,
+        custom_ops=_choose_ops(registry, platform),
+        tensor_parallel_size=config.tensor_parallel_size,
+        quantization_config=quant_config,
+    )
+
+
+def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any]):
+    archs = list(hf_config.get("architectures") or [])
+    known = registry.names("model_architectures")
+    for arch in archs:
+        if arch in known:
+            cls = registry.get("model_architectures", arch)
+            return Choice(arch, f"config.json architectures lists {arch}"), cls
+    raise UnsupportedError(
+        f"model: architecture {archs or '(none listed)'} is not supported; supported architectures: "
+        f"{', '.join(known) or 'none registered'} (a plugin can add one through portaserve_model_architectures)"
+    )
+
+
+def _choose_dtype(config: EngineConfig, platform: Platform, hf_config: Mapping[str, Any]) -> str:
+    supported = sorted(dtype_name(d) for d in platform.capabilities().dtypes)
+    if config.dtype == "auto":
+        dtype = checkpoint_dtype(hf_config)
+        if DTYPES[dtype] not in platform.capabilities().dtypes:
+            # auto follows the checkpoint where the platform can, else the platform's best
+            fallback = next((d for d in ("bfloat16", "float16", "float32") if d in supported), None)
+            if fallback is None:
+                raise UnsupportedError(f"dtype: platform {platform.name} supports none of {list(DTYPES)}")
+            return fallback
+        return dtype
+    if DTYPES[config.dtype] not in platform.capabilities().dtypes:
+        raise UnsupportedError(
+            f"dtype: {config.dtype} is not supported on platform {platform.name}; supported: {', '.join(supported)}"
+        )
+    return config.dtype
+
+
+def _choose_attention(config: EngineConfig, registry: PluginRegistry, platform: Platform, layer_type: str, spec: AttentionSpec) -> Choice:
+    backends = registry.load_all("attention_backends")
+    features = platform.capabilities().features
+    preference = list(platform.preferred_attention_backends())
+    names = preference + sorted(n for n in backends if n not in preference)
+    rejected: list[tuple[str, str]] = []
+    usable: list[str] = []
+    for name in names:
+        cls = backends.get(name)
+        if cls is None:
+            continue
+        if platform.name not in cls.platforms:
+            rejected.append((name, f"runs on {sorted(cls.platforms)}, not {platform.name}"))
+            continue
+        missing = cls.required_features - features
+        if missing:
+            rejected.append((name, f"needs platform features {sorted(missing)}"))
+            continue
+        why = cls.unsupported_reason(spec, config.block_size)
+        if why:
+            rejected.append((name, why))
+            continue
+        usable.append(name)
+    if config.attention_backend is not None:
+        forced = config.attention_backend
+        if forced in usable:
+            others = [(n, "not requested") for n in usable if n != forced] + rejected
+            return Choice(forced, f"forced with --attention-backend {forced}", tuple(others))
+        why = dict(rejected).get(forced, "not registered" if forced not in backends else "unusable")
+        raise UnsupportedError(
+            f"attention_backend: {forced!r} cannot serve {layer_type} layers on {platform.name}: {why}; "
+            f"usable: {usable or 'none'}"
+        )
+    if not usable:
+        detail = "; ".join(f"{n}: {w}" for n, w in rejected) or "no attention backend is registered"
+        raise UnsupportedError(f"no attention backend can serve {layer_type} layers ({_spec_summary(spec)}) on {platform.name}: {detail}")
+    winner = usable[0]
+    reason = "the platform's preferred backend" if winner in preference else "the only usable backend" if len(usable) == 1 else "first usable backend by name"
+    others = [(n, f"lower preference than {winner}") for n in usable[1:]] + rejected
+    return Choice(winner, f"{reason} for {_spec_summary(spec)}", tuple(others))
+
+
+def _spec_summary(spec: AttentionSpec) -> str:
+    parts = [f"head_size={spec.head_size}", f"heads={spec.num_heads}/{spec.num_kv_heads}", dtype_name(spec.dtype)]
+    if spec.sliding_window:
+        parts.append(f"window={spec.sliding_window}")
+    if not spec.causal:
+        parts.append("encoder")
+    return " ".join(parts)
+
+
+def _choose_component(registry: PluginRegistry, kind: str, platform: Platform, wanted: str) -> Choice:
+    comps = registry.load_all(kind)
+    label = kind.replace("_", " ")[:-1]
+    cls = comps.get(wanted)
+    if cls is None or platform.name not in cls.platforms:
+        candidates = [n for n, c in comps.items() if platform.name in c.platforms]
+        if not candidates:
+            raise UnsupportedError(f"no {label} is registered for platform {platform.name} (wanted {wanted!r})")
+        wanted = candidates[0]
+        return Choice(wanted, f"first {label} registered for {platform.name}")
+    others = tuple((n, f"runs on {sorted(c.platforms)}") for n, c in comps.items() if n != wanted)
+    return Choice(wanted, f"platform {platform.name}'s default", others)
+
+
+def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> tuple[Choice, dict]:
+    methods = registry.load_all("quant_methods")
+    qcfg = dict(hf_config.get("quantization_config") or {})
+    features = platform.capabilities().features
+
+    def usable_reason(name: str) -> str | None:
+        cls = methods.get(name)
+        if cls is None:
+            return "not registered"
+        if cls.platforms is not None and platform.name not in cls.platforms:
+            return f"runs on {sorted(cls.platforms)}, not {platform.name}"
+        missing = cls.required_features - features
+        if missing:
+            return f"needs platform features {sorted(missing)}"
+        if torch_dtype not in cls.supported_act_dtypes:
+            return f"does not accept activations in {dtype_name(torch_dtype)}"
+        return None
+
+    supported = [n for n in sorted(methods) if usable_reason(n) is None]
+    if config.quantization is not None:
+        name, source = config.quantization, f"--quantization {config.quantization}"
+    elif qcfg:
+        name = _checkpoint_quant_method(qcfg)
+        source = f"the checkpoint's quantization_config ({qcfg.get('quant_method', '?')})"
+    else:
+        name, source = "none", "no quantization requested"
+    why = usable_reason(name)
+    if why is not None:
+        raise UnsupportedError(
+            f"quantization: {name!r} is not available on platform {platform.name} ({why}); "
+            f"methods supported there: {', '.join(supported)}"
+        )
+    return Choice(name, source, tuple((n, "not requested") for n in supported if n != name)), qcfg
+
+
+def _checkpoint_quant_method(qcfg: Mapping[str, Any]) -> str:
+    """Map a checkpoint's quantization_config to a registered method name."""
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return "compressed-tensors"
+    return method or "none"
+
+
+def _choose_compilation(config: EngineConfig, platform: Platform) -> tuple[Choice, str | None]:
+    backends = dict(platform.capabilities().compile_backends)
+    mode = config.effective_compilation_mode
+    if mode is None:
+        mode = platform.capabilities().default_compilation_mode
+        reason = f"platform {platform.name}'s measured default"
+    else:
+        reason = "--enforce-eager" if config.enforce_eager else f"--compilation-mode {mode}"
+    if mode == "none":
+        return Choice("none", f"{reason}: eager execution"), None
+    backend = backends.get(mode)
+    if backend is None:
+        offered = sorted(backends)
+        raise UnsupportedError(
+            f"compilation_mode: {mode!r} is not supported on platform {platform.name}; supported: none, {', '.join(offered) or '(none)'}"
+        )
+    return Choice(mode, f"{reason}; compile backend {backend}"), backend
+
+
+def _choose_ops(registry: PluginRegistry, platform: Platform) -> tuple[tuple[str, str], ...]:
+    features = platform.capabilities().features
+    best: dict[str, tuple[int, str]] = {}
+    for _plugin, impl in registry.custom_ops:
+        if platform.name not in impl.platforms or impl.required_features - features:
+            continue
+        if impl.op not in best or impl.priority > best[impl.op][0]:
+            best[impl.op] = (impl.priority, impl.name)
+    return tuple(sorted((op, name) for op, (_p, name) in best.items()))

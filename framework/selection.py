@@ -1,0 +1,112 @@
+"""Choosing the platform: probe every registered platform, pick by score or by name.
+
+`--device auto` takes the highest-scoring available platform (an accelerator beats the
+CPU); two available platforms sharing the top score is an error that lists them. A
+forced `--device NAME` that is unavailable fails with the probe's reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import PlatformUnavailableError, PluginError, UnsupportedError
+from .interfaces import DeviceInfo, Platform, Unavailable
+from .plugins import PluginRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeReport:
+    """One platform's probe answer (or the error its probe raised)."""
+
+    platform: str
+    plugin: str
+    result: DeviceInfo | Unavailable
+    error: str | None = None  # the probe raised (a plugin defect, reported, not fatal)
+
+    @property
+    def available(self) -> bool:
+        return isinstance(self.result, DeviceInfo)
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformChoice:
+    platform_cls: type[Platform]
+    device: DeviceInfo
+    reason: str
+    rejected: tuple[tuple[str, str], ...]
+    reports: tuple[ProbeReport, ...]
+
+    def instantiate(self) -> Platform:
+        return self.platform_cls(self.device)
+
+
+def probe_all(registry: PluginRegistry) -> list[ProbeReport]:
+    """Probe every registered platform; a probe that raises is reported on its plugin."""
+    reports = []
+    for name, cls in sorted(registry.platforms.items()):
+        plugin = registry.platform_plugin[name]
+        try:
+            result = cls.probe()
+            if not isinstance(result, (DeviceInfo, Unavailable)):
+                raise TypeError(f"probe() returned {result!r}, not DeviceInfo or Unavailable")
+            if result.platform != name:
+                raise ValueError(f"probe() answered for platform {result.platform!r}, not {name!r}")
+            reports.append(ProbeReport(name, plugin, result))
+        except Exception as exc:
+            msg = f"probe raised {type(exc).__name__}: {exc}"
+            rec = registry.record(plugin)
+            if rec is not None:
+                rec.error = msg if rec.error is None else f"{rec.error}; {msg}"
+            reports.append(ProbeReport(name, plugin, Unavailable(name, msg), error=msg))
+    return reports
+
+
+def requested_device(device: str | None) -> str:
+    """The device asked for: the argument, else `PORTASERVE_DEVICE`, else "auto"."""
+    if device:
+        return device
+    return os.environ.get("PORTASERVE_DEVICE", "").strip() or "auto"
+
+
+def choose_platform(registry: PluginRegistry, device: str | None = None, *, strict: bool = False) -> PlatformChoice:
+    """Pick the platform for `device` ("auto" or a platform name)."""
+    device = requested_device(device)
+    reports = probe_all(registry)
+    if strict:
+        failed = [r for r in reports if r.error]
+        if failed:
+            lines = "; ".join(f"{r.platform} ({r.plugin}): {r.error}" for r in failed)
+            raise PluginError(f"platform probe failed (strict mode): {lines}")
+    by_name = {r.platform: r for r in reports}
+    if device != "auto":
+        report = by_name.get(device)
+        if report is None:
+            known = ", ".join(["auto", *sorted(by_name)])
+            raise UnsupportedError(f"device: unknown device {device!r}; choose one of: {known}")
+        if not report.available:
+            raise PlatformUnavailableError(f"device {device!r} is not available: {report.result.reason}")
+        rejected = tuple((r.platform, "not requested (--device %s)" % device) for r in reports if r.platform != device)
+        return PlatformChoice(registry.platforms[device], report.result, f"forced with --device {device}", rejected, tuple(reports))
+
+    available = [r for r in reports if r.available]
+    if not available:
+        reasons = "; ".join(f"{r.platform}: {r.result.reason}" for r in reports) or "no platform plugin is registered"
+        raise PlatformUnavailableError(f"no platform is available ({reasons})")
+    top = max(r.result.score for r in available)
+    best = [r for r in available if r.result.score == top]
+    if len(best) > 1:
+        names = ", ".join(f"{r.platform} ({r.result.describe()})" for r in best)
+        raise UnsupportedError(
+            f"device: --device auto found {len(best)} platforms with the same score {top}: {names}; "
+            f"choose one with --device NAME (or PORTASERVE_DEVICE=NAME)"
+        )
+    winner = best[0]
+    rejected = []
+    for r in reports:
+        if r is winner:
+            continue
+        why = f"lower score {r.result.score} < {top}" if r.available else f"unavailable: {r.result.reason}"
+        rejected.append((r.platform, why))
+    reason = f"highest score {top} among available platforms: {winner.result.reason}"
+    return PlatformChoice(registry.platforms[winner.platform], winner.result, reason, tuple(rejected), tuple(reports))

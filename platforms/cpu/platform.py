@@ -1,0 +1,116 @@
+"""CpuPlatform: the host CPU through torch's CPU kernels (oneDNN, AMX for bf16 where present)."""
+
+from __future__ import annotations
+
+import os
+import platform as _pyplatform
+
+import torch
+
+from portaserve.framework.interfaces import SCORE_CPU, DeviceInfo, Platform, PlatformCapabilities
+
+# vLLM's CPU backend defaults to 4 GiB of KV cache; we also stay under a quarter of free RAM.
+DEFAULT_KV_CACHE_GIB = 4.0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _pyplatform.processor() or _pyplatform.machine() or "CPU"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _meminfo() -> tuple[int, int]:
+    """(available, total) bytes of host memory."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+        return fields.get("MemAvailable", fields["MemFree"]), fields["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total // 2, total
+
+
+def _num_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    @classmethod
+    def probe(cls) -> DeviceInfo:
+        flags = _cpu_flags()
+        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+        _avail, total = _meminfo()
+        return DeviceInfo(
+            platform=cls.name,
+            device_name=_cpu_name(),
+            device_count=1,
+            total_memory_bytes=total,
+            score=SCORE_CPU,
+            reason=f"the host CPU is always available ({_num_cores()} cores)",
+            capability=",".join(isa) or None,
+            extra={"cores": str(_num_cores())},
+        )
+
+    def capabilities(self) -> PlatformCapabilities:
+        return PlatformCapabilities(
+            dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+            kv_cache_dtypes=frozenset({"auto"}),
+            features=frozenset({"int8_matmul"}),
+            compile_backends={"default": "inductor", "max": "inductor"},
+            default_compilation_mode="none",
+        )
+
+    def preferred_attention_backends(self) -> tuple[str, ...]:
+        return ("cpu_paged",)
+
+    def default_communicator(self) -> str:
+        return "gloo"
+
+    def default_kv_cache_allocator(self) -> str:
+        return "cpu"
+
+    def _torch_device(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def _memory_info(self, local_rank: int) -> tuple[int, int]:
+        return _meminfo()
+
+    def _check_rank(self, local_rank: int) -> None:
+        # Several CPU ranks share the one host (tensor parallelism over gloo).
+        if local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+
+    def _default_kv_cache_bytes(self, local_rank: int) -> int:
+        available, _total = _meminfo()
+        return int(min(DEFAULT_KV_CACHE_GIB * 2**30, available * 0.25))
+
+    def _init_worker(self, local_rank: int) -> None:
+        threads = os.environ.get("PORTASERVE_CPU_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))

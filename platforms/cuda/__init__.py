@@ -1,0 +1,3 @@
+"""The cuda platform (placeholder until its probe lands)."""
+
+PORTASERVE_CONTRACT = "1.0"

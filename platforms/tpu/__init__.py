@@ -1,0 +1,3 @@
+"""The tpu platform (placeholder until its probe lands)."""
+
+PORTASERVE_CONTRACT = "1.0"
