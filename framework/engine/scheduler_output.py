@@ -1,0 +1,96 @@
+"""What crosses the scheduler -> model runner -> scheduler boundary each step.
+
+Frozen, slotted, tensor-free and picklable, so the same objects go to an in-process
+runner or to worker processes. The runner keeps its own copy of each running request's
+tokens (it appends what it samples), so a step only sends new requests in full and
+deltas for the others (vLLM v1's scheme).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .params import PoolingParams, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    # Tokens generated before a preemption; recomputed with the prompt.
+    output_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A running request's change since the previous step."""
+
+    req_id: str
+    new_block_ids: tuple[int, ...]  # appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step's work, in batch order: new requests first, then cached ones."""
+
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    # req_id -> tokens to compute this step (a prefill chunk, or 1 for a decode)
+    num_scheduled_tokens: Mapping[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished, were aborted or preempted since the last step: the runner
+    # drops their state (a preempted one comes back later as a NewRequestData).
+    finished_req_ids: frozenset[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    def req_ids(self) -> list[str]:
+        return [r.req_id for r in self.new_requests] + [r.req_id for r in self.cached_requests]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Logprobs of one position: the sampled (or actual prompt) token, then the top-k."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """What one step produced, keyed by request id."""
+
+    # req_id -> sampled token id, for requests that reached the end of their known tokens
+    sampled_token_ids: Mapping[str, int]
+    logprobs: Mapping[str, Logprobs]
+    # req_id -> logprobs of the prompt positions computed this step (position i predicts token i+1)
+    prompt_logprobs: Mapping[str, tuple[Logprobs, ...]]
+    # req_id -> embedding, for pooling requests whose prompt finished this step
+    pooler_output: Mapping[str, tuple[float, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What the engine core reports for one request after a step (token deltas)."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[Logprobs, ...] = ()
+    prompt_logprobs: tuple[Logprobs, ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    pooler_output: tuple[float, ...] | None = None
