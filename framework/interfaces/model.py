@@ -29,6 +29,13 @@ class ModelArchitecture(nn.Module, ABC):
 
     @classmethod
     @abstractmethod
+    def attention_layer_types(cls, hf_config: Mapping[str, Any]) -> list[str]:
+        """The layer type (a key of `attention_specs`) of each attention layer, in `layer_idx`
+        order: entry i describes `StepContext.kv_caches[i]`. Empty for encoders (no KV cache).
+        The engine sizes and allocates the KV cache from this before building the model."""
+
+    @classmethod
+    @abstractmethod
     def build(cls, hf_config: Mapping[str, Any], ctx: "LayerContext") -> "ModelArchitecture":
         """Construct the module (parameters on ctx's device, uninitialized) for this rank."""
 
