@@ -1,0 +1,91 @@
+"""From a validated EngineConfig to everything workers need, before any weights load.
+
+Order matters for error messages: plugins, then the platform, then the checkpoint's
+config.json, then the ExecutionPlan; a request the platform cannot serve fails in the
+plan with what is supported instead, before a single tensor is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from portaserve.framework.checkpoint import ensure_demo_checkpoint, load_hf_config, resolve_model_path
+from portaserve.framework.config import EngineConfig
+from portaserve.framework.errors import InvalidParameterError
+from portaserve.framework.plan import ExecutionPlan, resolve_plan
+from portaserve.framework.plugins import PluginRegistry, get_registry
+from portaserve.framework.selection import choose_platform
+
+logger = logging.getLogger("portaserve")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """The resolved, picklable description of one engine (sent to every worker)."""
+
+    config: EngineConfig
+    plan: ExecutionPlan
+    model_path: str
+    tokenizer_path: str
+    hf_config: dict[str, Any]
+    max_model_len: int
+    is_pooling: bool
+    is_demo: bool
+    served_model_name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.get("vocab_size", 0))
+
+
+def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> EngineSpec:
+    """Resolve plugins, platform, checkpoint and plan for `config`."""
+    registry = registry or get_registry(strict=config.strict_plugins)
+    choice = choose_platform(registry, config.device, strict=config.strict_plugins)
+    if config.model is None:
+        model_path = ensure_demo_checkpoint()
+    else:
+        model_path = resolve_model_path(config.model, config.revision)
+    hf_config = load_hf_config(model_path)
+    plan = resolve_plan(config, registry, choice, hf_config)
+    arch = registry.get("model_architectures", plan.model_architecture.name)
+    limit = arch.max_model_len(hf_config)
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise InvalidParameterError(
+            "max_model_len",
+            f"max_model_len: {max_model_len} exceeds the model's limit of {limit} tokens (max_position_embeddings)",
+        )
+    tokenizer_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
+    is_demo = bool(hf_config.get("portaserve_demo"))
+    if is_demo:
+        logger.warning("no model given: serving the demo checkpoint at %s (RANDOM WEIGHTS, output is gibberish)", model_path)
+    name = config.served_model_name or (config.model if config.model else "portaserve-demo")
+    return EngineSpec(
+        config=config,
+        plan=plan,
+        model_path=str(model_path),
+        tokenizer_path=str(tokenizer_path),
+        hf_config=dict(hf_config),
+        max_model_len=int(max_model_len),
+        is_pooling=bool(getattr(arch, "is_pooling", False)),
+        is_demo=is_demo,
+        served_model_name=name,
+    )
+
+
+def default_num_batched_tokens(spec: EngineSpec) -> int:
+    """Token budget per step when the user gives none."""
+    if spec.config.max_num_batched_tokens is not None:
+        return spec.config.max_num_batched_tokens
+    if spec.is_pooling:
+        # encoders attend bidirectionally: a prompt is never split across steps
+        return max(spec.max_model_len, 2048)
+    return 2048 if spec.config.enable_chunked_prefill else max(spec.max_model_len, 2048)
+
+
+def model_dir(spec: EngineSpec) -> Path:
+    return Path(spec.model_path)

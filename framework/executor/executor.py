@@ -1,0 +1,72 @@
+"""Executors: how the engine core reaches its workers.
+
+`UniProcExecutor` runs one rank in the engine's own process. Multi-rank executors
+(worker processes, Ray actors) implement the same methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from portaserve.framework.engine.startup import EngineSpec
+
+
+class Executor(ABC):
+    """Drives every worker of one engine in lockstep."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every rank can hold (the minimum over ranks)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every rank."""
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; returns rank 0's output."""
+
+    def shutdown(self) -> None:
+        """Stop workers and release their resources."""
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker has died."""
+
+
+class UniProcExecutor(Executor):
+    """One rank, in this process."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        from .worker import Worker
+
+        self.worker = Worker(spec)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.worker.execute_model(sched)
+        assert out is not None  # rank 0 always returns its output
+        return out
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def make_executor(spec: EngineSpec) -> Executor:
+    """The executor for `spec`'s tensor-parallel size and backend choice."""
+    backend = spec.config.distributed_executor_backend
+    if spec.config.tensor_parallel_size == 1 and backend in ("auto", "uni"):
+        return UniProcExecutor(spec)
+    raise NotImplementedError(
+        f"tensor_parallel_size={spec.config.tensor_parallel_size} with executor {backend!r} is not available yet"
+    )
