@@ -1,0 +1,118 @@
+"""Front-end input processing: prompts to validated engine Requests.
+
+Tokenizes text prompts, checks every limit that needs the model (prompt length,
+max_tokens, vocabulary, logprobs), resolves max_tokens and stop token ids, and fans a
+request with `n > 1` out into n child Requests that share the prompt (and, through the
+prefix cache, its KV blocks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from portaserve.framework.engine.params import PoolingParams, SamplingParams
+from portaserve.framework.engine.request import Request
+from portaserve.framework.engine.startup import EngineSpec
+from portaserve.framework.errors import InvalidParameterError, invalid
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A user request after validation: its children go to the engine core."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | PoolingParams
+    children: tuple[Request, ...]
+    arrival_time: float
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{parent_id}#{index}"
+
+
+class InputProcessor:
+    def __init__(self, spec: EngineSpec, tokenizer: Any | None) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        gen_eos = spec.hf_config.get("eos_token_id")
+        if tokenizer is None and gen_eos is not None:
+            self.eos_token_ids = frozenset(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.vocab_size = spec.vocab_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise invalid("prompt", "this engine was started without a tokenizer; pass token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | PoolingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
+        text, token_ids = self._prompt_tokens(prompt)
+        if not token_ids:
+            raise invalid("prompt", "must not be empty")
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise invalid("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if isinstance(params, PoolingParams):
+            if not self.spec.is_pooling:
+                raise invalid("model", "this model generates text; embeddings need an embedding model")
+            if len(token_ids) > self.spec.max_model_len:
+                raise InvalidParameterError(
+                    "input", f"input: {len(token_ids)} tokens exceed max_model_len {self.spec.max_model_len}"
+                )
+            child = Request(request_id, token_ids, pooling_params=params, arrival_time=arrival, priority=priority, max_tokens=1)
+            return ProcessedRequest(request_id, text, token_ids, params, (child,), arrival)
+        if self.spec.is_pooling:
+            raise invalid("model", "this is an embedding model; it cannot generate text (use embeddings)")
+        params.validate_for_model(len(token_ids), self.spec.max_model_len, self.vocab_size, self.spec.config.max_logprobs)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.spec.max_model_len - len(token_ids)
+        children = []
+        for i in range(params.n):
+            child_params = params.clone() if params.n > 1 else params
+            if params.n > 1:
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i  # each sample differs, all reproducible
+            stop_ids = set(child_params.stop_token_ids or ())
+            if not child_params.ignore_eos:
+                stop_ids |= self.eos_token_ids
+            child_params.all_stop_token_ids = stop_ids
+            children.append(
+                Request(
+                    child_request_id(request_id, i, params.n),
+                    list(token_ids),
+                    sampling_params=child_params,
+                    eos_token_ids=frozenset() if child_params.ignore_eos else self.eos_token_ids,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    max_tokens=max_tokens,
+                )
+            )
+        return ProcessedRequest(request_id, text, token_ids, params, tuple(children), arrival)
+
+    def _prompt_tokens(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise invalid("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, [int(t) for t in prompt]
+        raise invalid("prompt", f"must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
