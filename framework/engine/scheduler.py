@@ -1,0 +1,555 @@
+"""The scheduler: which requests run each step, and how many tokens each computes.
+
+vLLM v1's unified scheme, pure Python (no tensors, no vendor checks):
+
+- One token budget per step (`max_num_batched_tokens`) and at most `max_num_seqs`
+  running requests. Running requests are served first (a decode is 1 token, an
+  unfinished prompt gets its next chunk), then waiting ones; each request gets
+  `min(tokens it still has to compute, budget left)`. With chunked prefill off a
+  waiting prompt that does not fit the budget left waits for a later step (a request
+  resumed after preemption whose prompt + outputs exceed the whole budget is chunked
+  anyway, so it can never wait forever; pooling prompts are never chunked: encoders
+  attend bidirectionally).
+- When a running request cannot get a block, the lowest-priority running request (FCFS:
+  the last admitted) is preempted by recompute: its blocks are freed, its computed
+  tokens reset to 0 (outputs kept) and it goes back to the front of the waiting queue;
+  it returns to the runner as a NewRequestData carrying its output tokens. No waiting
+  request is admitted in a step that preempted.
+- Priority policy: lower `priority` first, then earlier arrival. A waiting request
+  that lacks blocks or a sequence slot preempts strictly lower-priority running ones.
+- `update_from_output` appends sampled tokens, applies the stop rules (EOS unless
+  ignore_eos, then stop_token_ids — neither before min_tokens — then max_tokens and
+  max_model_len), frees finished requests and returns their EngineCoreOutputs.
+
+`request.num_computed_tokens` always counts tokens whose K/V is written (or will be,
+by the step just scheduled): `schedule()` advances it for everything it scheduled.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from portaserve.framework.errors import InvalidParameterError, invalid
+
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+from .scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for metrics and tests (counters are cumulative)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests
+    num_free_blocks: int
+    num_total_blocks: int  # usable blocks (the null block excluded)
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_steps: int  # non-empty steps scheduled
+
+
+class _FcfsQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._q.append(request)
+
+    def push_preempted(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class _PriorityQueue:
+    """Waiting requests by (priority, arrival time, order added)."""
+
+    def __init__(self, key) -> None:
+        self._heap: list[tuple[tuple, Request]] = []
+        self._key = key
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self._key(request), request))
+
+    # A preempted request keeps its original key, which puts it ahead of later arrivals.
+    push_preempted = push
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[1] for e in sorted(self._heap, key=lambda e: e[0]))
+
+
+class _Step:
+    """What one `schedule()` call has decided so far."""
+
+    __slots__ = ("budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}  # in scheduling order
+        self.new_blocks: dict[str, list[int]] = {}  # running requests' blocks added this step
+        self.new_requests: list[Request] = []
+        self.admitted: set[str] = set()
+        self.preempted: set[str] = set()
+
+
+class Scheduler:
+    """Continuous batching over a `BlockManager`."""
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        block_manager: BlockManager,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise invalid(name, f"must be an integer >= 1, got {value!r}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise invalid("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+        if block_size != block_manager.block_size:
+            raise invalid("block_size", f"{block_size} differs from the block manager's {block_manager.block_size}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = scheduling_policy
+        self.block_manager = block_manager
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.running: list[Request] = []  # FCFS: admission order; priority: sorted by _key
+        self._order: dict[str, int] = {}  # req_id -> order added, the final tie-break
+        self._counter = itertools.count()
+        self.waiting = _PriorityQueue(self._key) if scheduling_policy == "priority" else _FcfsQueue()
+        # Told to the runner with the next non-empty step (it drops their state).
+        self._finished_ids: set[str] = set()
+        # EngineCoreOutputs not tied to a step (aborts), returned by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        # Prompt logprobs arrive per prefill chunk; they are sent once, whole.
+        self._prompt_logprobs: dict[str, list[Logprobs]] = {}
+        self._prompt_logprobs_sent: set[str] = set()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ----- requests in and out ---------------------------------------------------
+
+    def _key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time, self._order[request.request_id])
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises InvalidParameterError if it can never be served."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise invalid("request_id", f"{rid!r} is already in use by an unfinished request")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise invalid("prompt", "must contain at least one token")
+        if request.is_pooling:
+            if num_prompt > self.max_model_len:
+                raise InvalidParameterError(
+                    "prompt", f"prompt: {num_prompt} tokens exceed max_model_len ({self.max_model_len})"
+                )
+            needed = num_prompt
+        else:
+            if num_prompt >= self.max_model_len:
+                raise InvalidParameterError(
+                    "prompt",
+                    f"prompt: {num_prompt} tokens leave no room to generate within max_model_len ({self.max_model_len})",
+                )
+            needed = min(num_prompt + request.max_tokens, self.max_model_len)
+        capacity = self.block_manager.capacity_tokens()
+        if needed > capacity:
+            param = "prompt" if num_prompt > capacity else "max_tokens"
+            raise InvalidParameterError(
+                param,
+                f"{param}: prompt ({num_prompt} tokens) + max_tokens needs {needed} tokens of KV cache, but the whole "
+                f"cache holds {capacity} ({self.block_manager.num_usable_blocks} blocks of {self.block_size}); lower "
+                f"max_tokens or give the KV cache more memory (--kv-cache-memory / num_gpu_blocks_override)",
+            )
+        if not self._can_chunk(request, num_prompt) and num_prompt > self.max_num_batched_tokens:
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt: {num_prompt} tokens exceed max_num_batched_tokens ({self.max_num_batched_tokens}) and "
+                f"{'pooling prompts are' if request.is_pooling else 'chunked prefill is off, so a prompt is'} never split "
+                f"across steps; raise --max-num-batched-tokens",
+            )
+        request.status = RequestStatus.WAITING
+        self._order[rid] = next(self._counter)
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def abort_requests(self, req_ids: Iterable[str] | str) -> None:
+        """End requests now, wherever they are; unknown or finished ids are ignored.
+
+        Each one is reported by the next `update_from_output` with finish_reason "abort".
+        """
+        for request in self._take(req_ids, RequestStatus.FINISHED_ABORTED):
+            self._pending_outputs.append(
+                EngineCoreOutput(
+                    request.request_id, (), finish_reason=request.finish_reason, num_cached_tokens=request.num_cached_tokens
+                )
+            )
+
+    def finish_requests(self, req_ids: Iterable[str] | str, status: RequestStatus) -> None:
+        """End requests the front end stopped (a stop string matched); no output is sent."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        self._take(req_ids, status)
+
+    def _take(self, req_ids: Iterable[str] | str, status: RequestStatus) -> list[Request]:
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        taken = []
+        for rid in req_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            taken.append(request)
+        return taken
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request and free its blocks."""
+        rid = request.request_id
+        self.block_manager.free(request)
+        del self.requests[rid]
+        self._order.pop(rid, None)
+        self._finished_ids.add(rid)
+        self._prompt_logprobs.pop(rid, None)
+        self._prompt_logprobs_sent.discard(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests remain or an abort is still to be reported."""
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (after a weight update); False while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        cache = bm.stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_usable_blocks,
+            prefix_cache_queries=cache.num_queries,
+            prefix_cache_hits=cache.num_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    # ----- scheduling ------------------------------------------------------------
+
+    def _can_chunk(self, request: Request, num_new_tokens: int) -> bool:
+        if request.is_pooling:
+            return False
+        # A resumed request longer than any step's budget must be split to run at all.
+        return self.enable_chunked_prefill or num_new_tokens > self.max_num_batched_tokens
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch; advances each scheduled request's num_computed_tokens."""
+        step = _Step(self.max_num_batched_tokens)
+        preempted_running = self._schedule_running(step)
+        if not preempted_running:
+            self._schedule_waiting(step)
+        return self._build_output(step)
+
+    def _schedule_running(self, step: _Step) -> bool:
+        bm = self.block_manager
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running) and step.budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = bm.allocate_slots(request, num_new)
+            while new_blocks is None:
+                # The victim is at or after index i: never one already scheduled this step.
+                victim = running.pop()
+                self._preempt(victim, step)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = bm.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            step.num_scheduled[request.request_id] = num_new
+            step.new_blocks[request.request_id] = new_blocks
+            step.budget -= num_new
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        bm = self.block_manager
+        waiting = self.waiting
+        while len(waiting) and step.budget > 0:
+            request = waiting.peek()
+            if request.request_id in step.preempted:
+                break  # it just made room for a better request
+            if len(self.running) >= self.max_num_seqs:
+                if self._make_room(request, step):
+                    continue
+                break
+            hit_blocks, num_hit = bm.get_computed_blocks(request, record_stats=False)
+            num_new = request.num_tokens - num_hit
+            if num_new > step.budget and not self._can_chunk(request, num_new):
+                break
+            num_new = min(num_new, step.budget)
+            new_blocks = bm.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                if self._make_room(request, step):
+                    continue
+                break
+            waiting.pop()
+            bm.record_query(request.num_tokens, num_hit)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit
+            if self.policy == "priority":
+                bisect.insort(self.running, request, key=self._key)
+            else:
+                self.running.append(request)
+            step.new_requests.append(request)
+            step.admitted.add(request.request_id)
+            step.num_scheduled[request.request_id] = num_new
+            step.budget -= num_new
+
+    def _make_room(self, request: Request, step: _Step) -> bool:
+        """Priority policy: preempt one running request strictly worse than `request`.
+
+        A victim already scheduled this step is taken out of it again, unless another
+        request hit one of the blocks it was about to write.
+        """
+        if self.policy != "priority":
+            return False
+        key = self._key(request)
+        bm = self.block_manager
+        for victim in reversed(self.running):
+            if self._key(victim) <= key:
+                return False
+            rid = victim.request_id
+            if rid in step.admitted:
+                continue
+            if rid in step.num_scheduled and bm.has_shared_uncomputed_blocks(victim, victim.num_computed_tokens):
+                continue
+            if rid in step.num_scheduled:
+                step.budget += step.num_scheduled.pop(rid)
+                step.new_blocks.pop(rid, None)
+            self.running.remove(victim)
+            self._preempt(victim, step)
+            return True
+        return False
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        rid = request.request_id
+        # num_computed_tokens has not been advanced for this step yet, so it marks where
+        # blocks allocated (and hashed) this step but never written begin.
+        self.block_manager.free(request, request.num_computed_tokens)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_preempted(request)
+        self._finished_ids.add(rid)
+        step.preempted.add(rid)
+        if rid not in self._prompt_logprobs_sent:
+            self._prompt_logprobs.pop(rid, None)  # the prompt is recomputed from 0
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        bm = self.block_manager
+        requests = self.requests
+        new_data = tuple(
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=tuple(r.prompt_token_ids),
+                output_token_ids=tuple(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                pooling_params=r.pooling_params,
+                block_ids=bm.block_ids(r),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.new_requests
+        )
+        cached_data = tuple(
+            CachedRequestData(rid, tuple(blocks), requests[rid].num_computed_tokens) for rid, blocks in step.new_blocks.items()
+        )
+        num_scheduled = step.num_scheduled
+        for rid, n in num_scheduled.items():
+            requests[rid].num_computed_tokens += n
+        total = sum(num_scheduled.values())
+        finished = frozenset(self._finished_ids)
+        if total:
+            # An engine may skip the runner on an empty step, so keep the ids until a
+            # step that reaches it (the runner ignores ids it does not know).
+            self._finished_ids = set()
+            self.num_steps += 1
+        return SchedulerOutput(
+            new_requests=new_data,
+            cached_requests=cached_data,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+        )
+
+    # ----- results ---------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
+        """Apply one step's results; returns an output per request that produced something."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        if runner_output is None:
+            return outputs
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
+        pooled = runner_output.pooler_output
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
+        any_finished = False
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is None or request.status is not running_status:
+                continue  # aborted or finished since it was scheduled
+            params = request.sampling_params
+            plp = None
+            if params is not None and params.prompt_logprobs is not None and rid not in self._prompt_logprobs_sent:
+                plp = self._collect_prompt_logprobs(request, prompt_logprobs.get(rid))
+            if request.pooling_params is not None:
+                embedding = pooled.get(rid)
+                if embedding is None:
+                    continue
+                request.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(
+                    EngineCoreOutput(
+                        rid, (), finish_reason=request.finish_reason, num_cached_tokens=request.num_cached_tokens, pooler_output=tuple(embedding)
+                    )
+                )
+                self._release(request)
+                any_finished = True
+                continue
+            token = sampled.get(rid)
+            if token is None:
+                if plp is not None:
+                    outputs.append(EngineCoreOutput(rid, (), prompt_logprobs=plp, num_cached_tokens=request.num_cached_tokens))
+                continue
+            request.output_token_ids.append(token)
+            finished = self._check_stop(request, token)
+            lp = logprobs.get(rid)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    (token,),
+                    (lp,) if lp is not None else (),
+                    plp,
+                    request.finish_reason if finished else None,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                )
+            )
+            if finished:
+                self._release(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is running_status]
+        return outputs
+
+    def _collect_prompt_logprobs(self, request: Request, chunk) -> tuple[Logprobs, ...] | None:
+        """Accumulate a prefill chunk's prompt logprobs; the whole tuple once the prompt is done."""
+        rid = request.request_id
+        acc = self._prompt_logprobs.setdefault(rid, [])
+        if chunk:
+            acc.extend(chunk)
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return None
+        del self._prompt_logprobs[rid]
+        self._prompt_logprobs_sent.add(rid)
+        return tuple(acc)
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        """vLLM's order: EOS, stop tokens (neither before min_tokens), then length."""
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if params is None or num_output >= params.min_tokens:
+            if token in request.eos_token_ids and not (params is not None and params.ignore_eos):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
+            if params is not None and params.stop_token_ids and token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
