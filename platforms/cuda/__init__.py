@@ -1,3 +1,28 @@
-"""The cuda platform (placeholder until its probe lands)."""
+"""The cuda platform: NVIDIA GPUs through a CUDA build of torch, nccl, device-memory KV cache.
+
+Nothing here imports torch.cuda state at import time; the classes are imported when the
+loader calls the hooks, and the probe touches the CUDA runtime only inside `probe()`.
+Attention backends for this platform (Triton, SDPA) are registered by the plugins that
+implement them; the platform only names its preference order.
+"""
+
+from portaserve.framework.hookspecs import hookimpl
 
 PORTASERVE_CONTRACT = "1.0"
+
+
+@hookimpl
+def portaserve_platform():
+    from .platform import CudaPlatform
+
+    return CudaPlatform
+
+
+@hookimpl
+def portaserve_communicators():
+    return {"nccl": "portaserve.platforms.cuda.communicator:NcclCommunicator"}
+
+
+@hookimpl
+def portaserve_kv_cache_allocators():
+    return {"cuda": "portaserve.platforms.cuda.kv_cache:CudaKVCacheAllocator"}
