@@ -7,13 +7,14 @@ from the ExecutionPlan (looked up by name in the plugin registry, never re-selec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .interfaces import AttentionBackend, AttentionMetadata, Communicator, QuantMethod
+from .interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, Communicator, QuantMethod
 from .plan import ExecutionPlan
 from .plugins import PluginRegistry
 
@@ -61,9 +62,22 @@ class LayerContext:
         backend = self._attention.get(layer_type)
         if backend is None:
             cls = self.registry.get("attention_backends", self.plan.attention_backend_for(layer_type).name)
-            backend = cls(self.plan.spec_for(layer_type), self.plan.block_size, self.device)
+            backend = cls(self.rank_spec(layer_type), self.plan.block_size, self.device)
             self._attention[layer_type] = backend
         return backend
+
+    def rank_spec(self, layer_type: str) -> AttentionSpec:
+        """The plan's spec for `layer_type` as this rank sees it: query heads split across
+        the tensor-parallel ranks, KV heads split too, or replicated (one per rank) when
+        there are fewer KV heads than ranks."""
+        spec = self.plan.spec_for(layer_type)
+        if self.tp_size == 1:
+            return spec
+        return dataclasses.replace(
+            spec,
+            num_heads=spec.num_heads // self.tp_size,
+            num_kv_heads=max(1, spec.num_kv_heads // self.tp_size),
+        )
 
     def attention_backends(self) -> dict[str, AttentionBackend]:
         """Every layer type's backend, instantiated (the runner builds metadata with them)."""

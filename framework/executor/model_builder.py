@@ -1,0 +1,73 @@
+"""From an ExecutionPlan and a checkpoint folder to a model ready to run on one rank.
+
+The architecture is looked up by the name the plan chose (never re-selected); layers
+get their QuantMethod, attention backends and fused ops from the LayerContext; weights
+stream from the safetensors files one tensor at a time and each rank keeps only its
+shard. Parameters are created directly on the target device in the plan's dtype, and
+checkpoint tensors are converted to it as they are copied in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from portaserve.framework.checkpoint import iter_safetensors, load_hf_config
+from portaserve.framework.interfaces import Communicator, ModelArchitecture
+from portaserve.framework.layer_context import LayerContext
+from portaserve.framework.plan import ExecutionPlan
+from portaserve.framework.plugins import PluginRegistry
+
+logger = logging.getLogger("portaserve")
+
+
+def build_model(
+    plan: ExecutionPlan,
+    registry: PluginRegistry,
+    model_path: str | os.PathLike,
+    device: torch.device | str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    communicator: Communicator | None = None,
+    *,
+    progress: bool | None = None,
+) -> ModelArchitecture:
+    """Build the plan's architecture for rank `tp_rank` of `tp_size` and load its weights.
+
+    :param progress: show a progress bar while loading (default: on rank 0 only).
+    :returns: the model in eval mode, parameters in `plan.dtype` on `device`.
+    """
+    device = torch.device(device)
+    if tp_size > 1 and communicator is None:
+        raise ValueError(f"tensor_parallel_size {tp_size} needs a communicator (got None)")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is out of range for tensor_parallel_size {tp_size}")
+    hf_config = load_hf_config(model_path)
+    arch_cls = registry.get("model_architectures", plan.model_architecture.name)
+    ctx = LayerContext.from_plan(plan, registry, device, tp_rank, tp_size, communicator)
+    start = time.perf_counter()
+    # Parameters are allocated where they will live; no CPU staging copy of the model.
+    with torch.device(device):
+        model = arch_cls.build(hf_config, ctx)
+    model.load_weights(iter_safetensors(model_path, progress=(tp_rank == 0) if progress is None else progress))
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1f MiB on rank %d/%d) in %.2fs",
+        plan.model_architecture.name,
+        plan.dtype,
+        num_bytes / 2**20,
+        tp_rank,
+        tp_size,
+        time.perf_counter() - start,
+    )
+    return model
