@@ -17,9 +17,10 @@ Environment:
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
@@ -63,7 +64,7 @@ class EntryPointSpec:
     """An entry point to load (a plain record, so tests can describe fake ones)."""
 
     name: str
-    value: str  # module path
+    value: str  # "package.module", or "package.module:attr" naming the plugin object
     group: str
     distribution: str | None = None
     version: str | None = None
@@ -85,6 +86,8 @@ class PluginRecord:
     builtin: bool
     loaded: bool = False
     error: str | None = None
+    #: Why the plugin was deliberately not loaded (allow-list, autoload disabled); not an error.
+    skipped: str | None = None
     contract: str | None = None
     platform: str | None = None  # the platform name it registers, if any
     contributes: dict[str, list[str]] = field(default_factory=dict)
@@ -241,9 +244,15 @@ def load_plugins(
     specs = [builtin_spec, *(entry_points if entry_points is not None else discover_entry_points())]
     for spec in specs:
         if not spec.builtin:
+            why = None
             if not autoload:
-                continue
-            if allowed is not None and spec.name not in allowed:
+                why = "not loaded: PORTASERVE_DISABLE_PLUGIN_AUTOLOAD=1 loads only the built-in plugins"
+            elif allowed is not None and spec.name not in allowed:
+                why = f"not loaded: not in the allow-list PORTASERVE_PLUGINS={','.join(sorted(allowed))}"
+            if why is not None:
+                registry.records.append(
+                    PluginRecord(spec.name, spec.value, spec.group, spec.distribution, spec.version, False, skipped=why)
+                )
                 continue
         _load_one(pm, registry, spec)
     if strict:
@@ -255,8 +264,8 @@ def _load_one(pm: pluggy.PluginManager, registry: PluginRegistry, spec: EntryPoi
     rec = PluginRecord(spec.name, spec.value, spec.group, spec.distribution, spec.version, spec.builtin)
     registry.records.append(rec)
     try:
-        module = importlib.import_module(spec.value)
-    except BaseException as exc:  # SystemExit/KeyboardInterrupt in a plugin must not kill us
+        module = import_object(spec.value) if ":" in spec.value else importlib.import_module(spec.value)
+    except BaseException as exc:  # SystemExit in a plugin must not kill us; Ctrl-C still does
         if isinstance(exc, KeyboardInterrupt):
             raise
         rec.error = f"import failed: {type(exc).__name__}: {exc}"
@@ -302,7 +311,7 @@ def _hook_result(module: ModuleType, hook: str, rec: PluginRecord) -> Any:
         return None
     try:
         return fn()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         tb = traceback.extract_tb(exc.__traceback__)[-1]
         rec.error = f"hook {hook} raised {type(exc).__name__}: {exc} ({tb.filename}:{tb.lineno})"
         return None
@@ -318,8 +327,9 @@ def _collect(pm, module: ModuleType, spec: EntryPointSpec, rec: PluginRecord) ->
             return staged
     platform_cls = _hook_result(module, "portaserve_platform", rec)
     if platform_cls is not None:
-        if not (isinstance(platform_cls, type) and issubclass(platform_cls, Platform)):
-            rec.error = f"portaserve_platform returned {platform_cls!r}, not a Platform subclass"
+        problem = _platform_problem(platform_cls)
+        if problem:
+            rec.error = f"portaserve_platform returned {problem}"
             return staged
         staged["platform"] = platform_cls
     for hook, (kind, _base) in _COMPONENT_HOOKS.items():
@@ -328,7 +338,7 @@ def _collect(pm, module: ModuleType, spec: EntryPointSpec, rec: PluginRecord) ->
             return staged
         if result is None:
             continue
-        if not isinstance(result, dict):
+        if not isinstance(result, Mapping):
             rec.error = f"{hook} must return a mapping of name to class, got {type(result).__name__}"
             return staged
         for name, target in result.items():
@@ -338,6 +348,11 @@ def _collect(pm, module: ModuleType, spec: EntryPointSpec, rec: PluginRecord) ->
                 return staged
         staged[kind] = list(result.items())
     ops = _hook_result(module, "portaserve_custom_ops", rec)
+    if rec.error:
+        return staged
+    if ops is not None and not isinstance(ops, Sequence):
+        rec.error = f"portaserve_custom_ops must return a sequence of OpImpl, got {type(ops).__name__}"
+        return staged
     if ops:
         for op in ops:
             if not isinstance(op, OpImpl):
@@ -345,6 +360,35 @@ def _collect(pm, module: ModuleType, spec: EntryPointSpec, rec: PluginRecord) ->
                 return staged
         staged["custom_ops"] = list(ops)
     return staged
+
+
+def _platform_problem(cls: Any) -> str | None:
+    """Why `cls` cannot be a platform class (checked at load time, not at first use), or None."""
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        return f"{cls!r}, not a Platform subclass"
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or name == "auto":
+        return f"{cls.__name__} whose name is {name!r} (a non-empty string other than 'auto' is required)"
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        return f"{cls.__name__}, which does not implement {missing}"
+    for attr in ("device_type", "dist_backend"):
+        if not isinstance(getattr(cls, attr, None), str):
+            return f"{cls.__name__} without a string {attr!r}"
+    return None
+
+
+def _same_target(existing: Any, new: Any) -> bool:
+    """Whether two registrations name the same component (a class, or its "module:Class" path)."""
+    if existing is new or existing == new:
+        return True
+
+    def as_path(target: Any) -> str:
+        if isinstance(target, str):
+            return target
+        return f"{getattr(target, '__module__', '')}:{getattr(target, '__qualname__', '')}"
+
+    return as_path(existing) == as_path(new)
 
 
 def _commit(registry: PluginRegistry, rec: PluginRecord, staged: dict[str, Any]) -> None:
@@ -359,7 +403,7 @@ def _commit(registry: PluginRegistry, rec: PluginRecord, staged: dict[str, Any])
     for kind in COMPONENT_KINDS:
         for name, target in staged.get(kind, []):
             existing = registry.components[kind].get(name)
-            if existing is not None and existing.target is not target and existing.target != target:
+            if existing is not None and not _same_target(existing.target, target):
                 rec.error = f"{kind[:-1].replace('_', ' ')} {name!r} is already registered by plugin {existing.plugin!r}"
                 return
     if platform_cls is not None:

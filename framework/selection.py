@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import PlatformUnavailableError, PluginError, UnsupportedError
 from .interfaces import DeviceInfo, Platform, Unavailable
-from .plugins import PluginRegistry
+from .plugins import PluginRegistry, env_flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,25 +53,38 @@ def probe_all(registry: PluginRegistry) -> list[ProbeReport]:
             if result.platform != name:
                 raise ValueError(f"probe() answered for platform {result.platform!r}, not {name!r}")
             reports.append(ProbeReport(name, plugin, result))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin's defect must not end the process
             msg = f"probe raised {type(exc).__name__}: {exc}"
             rec = registry.record(plugin)
-            if rec is not None:
+            if rec is not None and msg not in (rec.error or ""):  # probed again: report once
                 rec.error = msg if rec.error is None else f"{rec.error}; {msg}"
             reports.append(ProbeReport(name, plugin, Unavailable(name, msg), error=msg))
     return reports
 
 
 def requested_device(device: str | None) -> str:
-    """The device asked for: the argument, else `PORTASERVE_DEVICE`, else "auto"."""
-    if device:
+    """The device asked for: a platform name given as argument, else `PORTASERVE_DEVICE`, else "auto".
+
+    "auto" (the default of ``--device``) defers to ``PORTASERVE_DEVICE`` when it is set, so the
+    variable works without touching the command line.
+    """
+    device = (device or "").strip()
+    if device and device != "auto":
         return device
     return os.environ.get("PORTASERVE_DEVICE", "").strip() or "auto"
 
 
-def choose_platform(registry: PluginRegistry, device: str | None = None, *, strict: bool = False) -> PlatformChoice:
-    """Pick the platform for `device` ("auto" or a platform name)."""
+def choose_platform(
+    registry: PluginRegistry, device: str | None = None, *, strict: bool | None = None
+) -> PlatformChoice:
+    """Pick the platform for `device` ("auto" or a platform name).
+
+    :param strict: a probe that raises is fatal (``--strict-plugins``); None reads
+        ``PORTASERVE_STRICT_PLUGINS``.
+    """
     device = requested_device(device)
+    if strict is None:
+        strict = env_flag("PORTASERVE_STRICT_PLUGINS")
     reports = probe_all(registry)
     if strict:
         failed = [r for r in reports if r.error]
