@@ -1,0 +1,29 @@
+"""The Triton fused ops as `OpImpl`s, for GPU platforms to return from `portaserve_custom_ops`.
+
+Each is named by a "module:function" string, so listing them imports no triton; the
+plan imports one only when it binds it. Signatures: `framework.interfaces.ops`.
+"""
+
+from __future__ import annotations
+
+from portaserve.framework.interfaces.ops import OpImpl
+
+TRITON_OP_PLATFORMS = frozenset({"cuda", "rocm", "xpu"})
+
+_FUNCTIONS = {
+    "rms_norm": "portaserve.kernels.rms_norm:rms_norm",
+    "fused_add_rms_norm": "portaserve.kernels.rms_norm:fused_add_rms_norm",
+    "silu_and_mul": "portaserve.kernels.activation:silu_and_mul",
+    "rotary_embedding": "portaserve.kernels.rotary:rotary_embedding",
+}
+
+
+def triton_ops(platforms: frozenset[str] = TRITON_OP_PLATFORMS, priority: int = 0) -> list[OpImpl]:
+    """One OpImpl ("triton", needing the "triton" feature) per fused op.
+
+    :param platforms: the platforms to declare (a platform plugin passes its own name).
+    """
+    return [
+        OpImpl(op=op, name="triton", platforms=frozenset(platforms), fn=fn, required_features=frozenset({"triton"}), priority=priority)
+        for op, fn in _FUNCTIONS.items()
+    ]

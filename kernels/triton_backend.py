@@ -1,0 +1,170 @@
+"""TritonAttentionBackend: paged attention through the Triton kernels of this package.
+
+Triton compiles the same kernels for CUDA, ROCm and XPU; on CPU they run through the
+Triton interpreter (`TRITON_INTERPRET=1`), which is how CI tests them — selectable
+there only for testing (`--attention-backend triton`, the CPU platform declaring the
+"triton" feature under the interpreter).
+
+KV-cache layout: `kernels.kv_layout` (`[num_blocks, 2, num_kv_heads, block_size,
+head_size]`, block ids on dim 0). This module imports no triton at import time: the
+plan imports every registered backend class to read its capabilities, also on machines
+where triton is absent; the kernels are imported when a backend is instantiated.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from portaserve.framework.interfaces import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
+
+if TYPE_CHECKING:
+    from .paged_attention import AttentionWork
+
+#: Programs per compute unit that keep a GPU busy; below that, decode splits its context.
+PROGRAMS_PER_UNIT = 2
+#: The interpreter has no compute units; a small target still exercises split-K there.
+INTERPRETER_TARGET_PROGRAMS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttentionMetadata(AttentionMetadata):
+    """One step's device tensors and work split, shared by every layer of a layer type."""
+
+    # query_start_loc: [num_seqs + 1] int32 on the device
+    query_start_loc: torch.Tensor
+    # seq_lens: [num_seqs] int32
+    seq_lens: torch.Tensor
+    # block_table: [num_seqs, max_blocks_per_seq] int32
+    block_table: torch.Tensor
+    # slot_mapping: [num_tokens] int64 (only the first num_actual_tokens are written)
+    slot_mapping: torch.Tensor
+    work: "AttentionWork"
+
+
+@functools.lru_cache(maxsize=None)
+def target_programs(device: torch.device) -> int:
+    """Programs that fill `device` (about two per SM / CU / Xe-core)."""
+    units = None
+    if device.type == "cuda":  # NVIDIA and ROCm builds alike
+        units = torch.cuda.get_device_properties(device).multi_processor_count
+    elif device.type == "xpu":
+        props = torch.xpu.get_device_properties(device)
+        units = getattr(props, "gpu_subslice_count", None) or getattr(props, "max_compute_units", None)
+    if not units:
+        return INTERPRETER_TARGET_PROGRAMS
+    return PROGRAMS_PER_UNIT * int(units)
+
+
+def _new_output(q: torch.Tensor) -> torch.Tensor:
+    """The attention output buffer (a seam: tests poison it with NaN)."""
+    return torch.empty_like(q)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Causal paged attention for decoder layers: mixed prefill/decode batches in one
+    kernel (split-K for long contexts), GQA, sliding window, logit soft cap.
+
+    `forward` first writes the new K/V of every real token into their slots
+    (`reshape_and_cache`), then attends, reading every context token — the new ones
+    included — from the cache. A query at position p attends to keys in (p - W, p] with
+    a sliding window W. Softmax runs in float32 for every dtype.
+    """
+
+    name = "triton"
+    platforms = frozenset({"cuda", "rocm", "xpu", "cpu"})
+    supported_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    supported_kv_cache_dtypes = frozenset({"auto"})
+    # padded to a power of two inside the kernels; >= 32 so every tl.dot dimension is >= 16
+    supported_head_sizes = frozenset({32, 64, 80, 96, 112, 128, 192, 256})
+    supported_block_sizes = frozenset({16, 32, 64})
+    supports_sliding_window = True
+    supports_encoder = False
+    # query heads of one KV head share a program's rows; 16 keeps a decode tile at 16 rows
+    max_gqa_ratio = 16
+    required_features = frozenset({"triton"})
+
+    def __init__(self, spec: AttentionSpec, block_size: int, device: torch.device) -> None:
+        super().__init__(spec, block_size, device)
+        from . import paged_attention, reshape_and_cache
+
+        self._kernels = paged_attention
+        self._write = reshape_and_cache.reshape_and_cache
+        self._target_programs = target_programs(torch.device(device))
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """`[num_blocks, 2, num_kv_heads, block_size, head_size]` (K = 0, V = 1 on dim 1)."""
+        from .kv_layout import kv_cache_shape
+
+        return kv_cache_shape(num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
+
+    def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        """Cut the step into kernel work items on the host and move the tables to the device."""
+        qsl = batch.query_start_loc.cpu()
+        query_lens = (qsl[1:] - qsl[:-1]).numpy()
+        work = self._kernels.plan_work(
+            query_lens,
+            batch.max_seq_len,
+            self.spec.num_kv_heads,
+            self.spec.gqa_ratio,
+            self.spec.head_size,
+            self.device,
+            target_programs=self._target_programs,
+        )
+
+        def dev(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype, non_blocking=True).contiguous()
+
+        return TritonAttentionMetadata(
+            num_actual_tokens=batch.num_actual_tokens,
+            query_start_loc=dev(batch.query_start_loc, torch.int32),
+            seq_lens=dev(batch.seq_lens, torch.int32),
+            block_table=dev(batch.block_table, torch.int32),
+            slot_mapping=dev(batch.slot_mapping, torch.int64),
+            work=work,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write the new K/V into their cache slots, then attend (see the class docstring).
+
+        :param q: [num_tokens, num_heads, head_size]
+        :param k: [num_tokens, num_kv_heads, head_size]
+        :param v: [num_tokens, num_kv_heads, head_size]
+        :param kv_cache: [num_blocks, 2, num_kv_heads, block_size, head_size]
+        :returns: [num_tokens, num_heads, head_size]; rows past num_actual_tokens are unspecified.
+        """
+        if kv_cache is None:
+            raise ValueError("triton attention backend: a KV cache is required (encoder attention is not supported)")
+        if not isinstance(metadata, TritonAttentionMetadata):
+            raise TypeError(f"triton attention backend got {type(metadata).__name__}, not TritonAttentionMetadata")
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        self._write(k, v, kv_cache, metadata.slot_mapping, num_tokens=metadata.num_actual_tokens)
+        out = _new_output(q)
+        spec = self.spec
+        self._kernels.paged_attention(
+            q,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.work,
+            spec.scale,
+            sliding_window=spec.sliding_window,
+            soft_cap=spec.logits_soft_cap,
+            out=out,
+        )
+        return out
