@@ -156,6 +156,45 @@ def resolve_plan(
     )
 
 
+def resolve_platform_choices(
+    config: EngineConfig, registry: PluginRegistry, platform: Platform
+) -> tuple[tuple[str, Choice], ...]:
+    """The plan's choices that need no model: KV-cache allocator, communicator, compilation.
+
+    `portaserve platforms --device NAME` shows them; `resolve_plan` makes the same choices.
+    """
+    compilation, _backend = _choose_compilation(config, platform)
+    return (
+        ("kv_cache_allocator", _choose_component(registry, "kv_cache_allocators", platform, platform.default_kv_cache_allocator())),
+        ("communicator", _choose_component(registry, "communicators", platform, platform.default_communicator())),
+        ("compilation", compilation),
+    )
+
+
+def attention_candidates(registry: PluginRegistry, platform: Platform) -> tuple[Choice, ...]:
+    """Every registered attention backend, in the order the plan tries them on `platform`.
+
+    A candidate's `reason` says why it can run there ("runs on ...") or why not; the
+    per-layer checks (head size, dtype, window...) need the model and happen in `resolve_plan`.
+    """
+    backends = registry.load_all("attention_backends")
+    features = platform.capabilities().features
+    preference = list(platform.preferred_attention_backends())
+    out = []
+    for name in preference + sorted(n for n in backends if n not in preference):
+        cls = backends.get(name)
+        if cls is None:
+            out.append(Choice(name, "preferred by the platform but not registered (plugin not installed?)"))
+        elif platform.name not in cls.platforms:
+            out.append(Choice(name, f"unusable: runs on {sorted(cls.platforms)}, not {platform.name}"))
+        elif cls.required_features - features:
+            out.append(Choice(name, f"unusable: needs platform features {sorted(cls.required_features - features)}"))
+        else:
+            rank = "preferred" if name in preference else "candidate"
+            out.append(Choice(name, f"{rank}: runs on {platform.name}"))
+    return tuple(out)
+
+
 def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any]):
     archs = list(hf_config.get("architectures") or [])
     known = registry.names("model_architectures")

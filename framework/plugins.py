@@ -240,7 +240,9 @@ def load_plugins(
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
 
-    builtin_spec = EntryPointSpec("framework", FRAMEWORK_PLUGIN, PLUGIN_GROUP, BUILTIN_DISTRIBUTION, None)
+    from portaserve import __version__
+
+    builtin_spec = EntryPointSpec("framework", FRAMEWORK_PLUGIN, PLUGIN_GROUP, BUILTIN_DISTRIBUTION, __version__)
     specs = [builtin_spec, *(entry_points if entry_points is not None else discover_entry_points())]
     for spec in specs:
         if not spec.builtin:
