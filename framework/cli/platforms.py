@@ -73,7 +73,11 @@ def collect(registry: PluginRegistry, device: str | None = None) -> dict[str, An
 
 
 def _plugin_entry(rec: PluginRecord) -> dict[str, Any]:
-    status = "loaded" if rec.loaded and not rec.error else "failed" if rec.error else "skipped"
+    # failed: not loaded (import, contract, hooks); error: loaded, but its probe or a lazy component failed
+    if rec.error:
+        status = "error" if rec.loaded else "failed"
+    else:
+        status = "loaded" if rec.loaded else "skipped"
     return {
         "name": rec.name,
         "status": status,
@@ -167,34 +171,39 @@ def _gib(n: int) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     lines = [f"portaserve {doc['portaserve']} (plugin contract {doc['contract']}, torch {doc['torch']})", "", "Plugins:"]
+    w = max([len(p["name"]) for p in doc["plugins"]] + [8])
     for p in doc["plugins"]:
         dist = f"{p['distribution']} {p['version'] or ''}".strip() if p["distribution"] else "no distribution"
-        lines.append(f"  {p['name']:<12} {p['status']:<8} {dist}{' (built-in)' if p['builtin'] else ''}")
+        lines.append(f"  {p['name']:<{w}}  {p['status']:<7} {dist}{' (built-in)' if p['builtin'] else ''}")
         if p["error"]:
-            lines.append(f"  {'':<12} error: {p['error']}")
+            lines.append(f"  {'':<{w}}  error: {p['error']}")
         elif p["skipped"]:
-            lines.append(f"  {'':<12} {p['skipped']}")
+            lines.append(f"  {'':<{w}}  {p['skipped']}")
         parts = [f"platform {p['platform']}"] if p["platform"] else []
         parts += [f"{kind.replace('_', ' ')}: {', '.join(names)}" for kind, names in p["contributes"].items()]
         if parts and p["loaded"]:
-            lines.append(f"  {'':<12} contributes {'; '.join(parts)}")
+            lines.append(f"  {'':<{w}}  contributes {'; '.join(parts)}")
     lines += ["", "Platforms:"]
+    w = max([len(p["name"]) for p in doc["platforms"]] + [6])
     for p in doc["platforms"]:
         if p["available"]:
             d = p["device"]
             cap = f", {d['capability']}" if d["capability"] else ""
-            lines.append(f"  {p['name']:<8} available    score {d['score']:<4} {d['count']} x {d['name']} ({_gib(d['total_memory_bytes'])}{cap})")
-            lines.append(f"  {'':<8} {p['reason']}")
+            lines.append(
+                f"  {p['name']:<{w}}  available    score {d['score']:<4} "
+                f"{d['count']} x {d['name']} ({_gib(d['total_memory_bytes'])}{cap})"
+            )
+            lines.append(f"  {'':<{w}}  {p['reason']}")
             caps = p.get("capabilities")
             if caps:
                 lines.append(
-                    f"  {'':<8} dtypes {', '.join(caps['dtypes'])}; kv cache {', '.join(caps['kv_cache_dtypes'])}; "
+                    f"  {'':<{w}}  dtypes {', '.join(caps['dtypes'])}; kv cache {', '.join(caps['kv_cache_dtypes'])}; "
                     f"features {', '.join(caps['features']) or '-'}"
                 )
         else:
-            lines.append(f"  {p['name']:<8} unavailable  {p['reason']}")
+            lines.append(f"  {p['name']:<{w}}  unavailable  {p['reason']}")
         if p["error"] and p["error"] != p["reason"]:
-            lines.append(f"  {'':<8} error: {p['error']}")
+            lines.append(f"  {'':<{w}}  error: {p['error']}")
     sel = doc["selection"]
     lines.append("")
     if sel["error"] and not sel["selected"]:
