@@ -29,15 +29,21 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """:param x: [..., 2 * d] (gate, then up). :returns: [..., d] in x's dtype."""
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:param x: [..., 2 * d] (gate, then up).
+    :param out: optional contiguous [..., d] buffer to write into.
+    :returns: [..., d] in x's dtype."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
     d = x.shape[-1] // 2
     if x.stride(-1) != 1:
         x = x.contiguous()
     x2 = x.reshape(-1, 2 * d)
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    shape = (*x.shape[:-1], d)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of shape {shape}")
     out2 = out.view(-1, d)
     if x2.shape[0] and d:
         block = min(BLOCK_COLS, triton.next_power_of_2(d))

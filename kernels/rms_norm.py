@@ -54,7 +54,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+def _rows(t: torch.Tensor) -> torch.Tensor:
     """View `t` as [rows, cols] without copying when its rows are evenly strided."""
     if t.stride(-1) != 1:
         t = t.contiguous()
@@ -64,20 +64,28 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
         return t.reshape(-1, t.shape[-1])
 
 
-def _launch(x, residual, weight, eps):
+def _output(given: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor:
+    if given is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if given.shape != like.shape or not given.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous tensor of shape {tuple(like.shape)}")
+    return given
+
+
+def _launch(x, residual, weight, eps, out=None, residual_out=None):
     cols = x.shape[-1]
     if weight.shape != (cols,):
         raise ValueError(f"weight must be [{cols}], got {tuple(weight.shape)}")
     if cols > MAX_COLS:
         raise ValueError(f"rms_norm supports rows of at most {MAX_COLS} elements, got {cols}")
-    x2 = _rows(x, "x")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = _rows(x)
+    out = _output(out, x, "out")
     out2 = out.view(-1, cols)
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        r2 = _rows(residual, "residual")
-        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+        r2 = _rows(residual)
+        new_residual = _output(residual_out, residual, "residual_out")
         ro2 = new_residual.view(-1, cols)
     else:
         r2 = ro2 = x2
@@ -105,27 +113,35 @@ def _launch(x, residual, weight, eps):
     return out, new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension.
 
     :param x: [..., hidden]
     :param weight: [hidden]
+    :param out: optional contiguous [..., hidden] buffer to write into
     :returns: [..., hidden] in x's dtype
     """
-    out, _ = _launch(x, None, weight, eps)
+    out, _ = _launch(x, None, weight, eps, out)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`new_residual = x + residual; out = rms_norm(new_residual)`.
 
     :param x: [..., hidden]
     :param residual: [..., hidden]
+    :param out, residual_out: optional contiguous buffers for the two results
     :returns: (out [..., hidden], new_residual [..., hidden]); the inputs are not modified.
     """
-    out, new_residual = _launch(x, residual, weight, eps)
+    out, new_residual = _launch(x, residual, weight, eps, out, residual_out)
     return out, new_residual
 
 

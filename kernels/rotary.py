@@ -111,8 +111,23 @@ def _as_heads(t: torch.Tensor, rotary_dim: int, name: str) -> torch.Tensor:
     return t
 
 
+def _buffer(given: torch.Tensor | None, like: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    if given is None:
+        return torch.empty(heads.shape, dtype=heads.dtype, device=heads.device)
+    if given.shape != like.shape or not given.is_contiguous():
+        raise ValueError(f"output buffers must be contiguous with shape {tuple(like.shape)}")
+    return given.view(heads.shape)
+
+
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by their tokens' positions; the inputs are not modified.
 
@@ -121,6 +136,7 @@ def rotary_embedding(
         when head_size equals the rotary dim
     :param k: like q, with num_kv_heads heads
     :param cos_sin_cache: [max_position, rotary_dim], cos then sin
+    :param q_out, k_out: optional contiguous buffers (q's and k's shapes) to write into
     :returns: (q, k) rotated, new tensors of the input shapes and dtypes
     """
     rotary_dim = cos_sin_cache.shape[-1]
@@ -132,8 +148,8 @@ def rotary_embedding(
         raise ValueError(f"q and k need one head size >= rotary dim {rotary_dim}; got {head_size}, {k3.shape[-1]}")
     if positions.shape != (q3.shape[0],) or k3.shape[0] != q3.shape[0]:
         raise ValueError(f"positions must be [num_tokens={q3.shape[0]}], got {tuple(positions.shape)}")
-    q_out = torch.empty(q3.shape, dtype=q3.dtype, device=q3.device)
-    k_out = torch.empty(k3.shape, dtype=k3.dtype, device=k3.device)
+    q_out = _buffer(q_out, q, q3)
+    k_out = _buffer(k_out, k, k3)
     if cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.contiguous()
     half = rotary_dim // 2
