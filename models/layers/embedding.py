@@ -1,0 +1,90 @@
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks.
+
+The vocabulary is padded to a multiple of `tp_size` and rank r owns rows
+[r * rows_per_rank, (r + 1) * rows_per_rank). The embedding looks up the ids it owns,
+zeros the rest and all-reduces; the LM head computes its slice of the logits and
+all-gathers them. With tied embeddings the LM head shares the embedding's parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from portaserve.framework.layer_context import LayerContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    """`weight: [rows_per_rank, embedding_dim]`, this rank's slice of the vocabulary."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx: LayerContext, prefix: str = "") -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank = ctx.tp_rank
+        self.tp_size = ctx.tp_size
+        self.communicator = ctx.communicator
+        self.prefix = prefix
+        self.rows_per_rank = -(-num_embeddings // ctx.tp_size)
+        self.vocab_start = ctx.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, dtype=ctx.dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of the full `[vocab, dim]` checkpoint tensor; padding rows are zero."""
+        if loaded.dim() != 2 or loaded.shape[1] != self.embedding_dim or loaded.shape[0] < self.num_embeddings:
+            raise ValueError(
+                f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                f"expected ({self.num_embeddings}, {self.embedding_dim})"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight).masked_fill_(~owned.unsqueeze(-1), 0)
+        return self.communicator.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.vocab_start}:{self.vocab_end} of {self.num_embeddings}, dim={self.embedding_dim}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits, vocabulary split like the embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx: LayerContext, prefix: str = "", bias: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim, ctx, prefix)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.rows_per_rank, dtype=ctx.dtype), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (tie_word_embeddings)."""
+        self.weight = embedding.weight
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("ParallelLMHead is not an embedding lookup; call compute_logits(hidden)")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, embedding_dim] -> float32 logits [num_tokens, num_embeddings].
+
+        The matmul runs in the model dtype (as transformers does) and only the result is
+        widened, so the sampler works in float32.
+        """
+        logits = F.linear(hidden, self.weight, self.bias)
+        if self.tp_size > 1:
+            logits = self.communicator.all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings].float()
