@@ -357,6 +357,15 @@ def default_cases(
     yield replace(base, name=f"softcap-window-{dname}", logits_soft_cap=2.0, sliding_window=7, seed=5)
     # long decodes only: the common serving step
     yield replace(base, name=f"decodes-{dname}", steps=((3 * bs + 1, 40, 1, 2 * bs), (1, 1, 1, 1), (1, 1, 1, 1)), seed=6)
+    # equal-length prompts in a row (a backend may batch them), then equal-length decodes
+    yield replace(base, name=f"equal-prompts-{dname}", steps=((bs + 4, bs + 4, bs + 4, 9), (1, 1, 1, 1), (1, 1, 1, 0)), seed=9)
+    yield replace(
+        base, name=f"equal-prompts-window-{dname}", steps=((bs + 4, bs + 4, 9), (1, 1, 1)), sliding_window=6, seed=10
+    )
+    # equal-length prompts separated by a decode / a chunk on a cached prefix
+    yield replace(
+        base, name=f"split-prompts-{dname}", steps=((0, 3, 0, 4, 0), (bs + 4, 1, bs + 4, 5, bs + 4), (1, 1, 1, 1, 1)), seed=11
+    )
     # seq 1 reads 2 blocks that seq 0 writes in the same step
     yield replace(
         base,

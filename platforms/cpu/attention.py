@@ -28,16 +28,34 @@ _NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True)
-class _PrefillSeq:
-    """One sequence with more than one new token (a prefill chunk), attended on its own."""
+class _DecodeGroup:
+    """Decodes (one new token each) attended together, padded to the longest context."""
 
-    # [query_start, query_end) of its new tokens in the batch
-    query_start: int
-    query_end: int
-    # kv_rows: [2 * num_kv_heads * kv_len] int64 cache rows (K rows, then V rows)
-    kv_rows: torch.Tensor | None
+    num_seqs: int
     kv_len: int
-    # mask: [query_len, kv_len] bool (True = attend), None when plain causal from position 0
+    # token_idx: [num_seqs] int64, each decode's query token in the batch
+    token_idx: torch.Tensor
+    # rows: [2 * num_seqs * num_kv_heads * kv_len] int64 cache rows (all K rows, then all V rows)
+    rows: torch.Tensor
+    # mask: [num_seqs, 1, 1, kv_len] float32 0 / -inf over the padding; None when there is none
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _SeqGroup:
+    """Sequences of equal query_len / kv_len that share one SDPA call (prefill chunks, encoder inputs).
+
+    Their new tokens are consecutive in the batch: [query_start, query_start + num_seqs * query_len).
+    """
+
+    query_start: int
+    num_seqs: int
+    query_len: int
+    kv_len: int
+    # rows: [2 * num_seqs * num_kv_heads * kv_len] int64 cache rows; None when the keys are exactly
+    # the new tokens (a prompt with no cached prefix, or an encoder), read from k/v directly.
+    rows: torch.Tensor | None
+    # mask: [query_len, kv_len] bool (True = attend); None means plain causal (or full, for encoders)
     mask: torch.Tensor | None
 
 
@@ -45,23 +63,11 @@ class _PrefillSeq:
 class CpuPagedAttentionMetadata(AttentionMetadata):
     """Everything `forward` needs, computed once per step for one layer type."""
 
-    # write_rows: [2, num_actual_tokens * num_kv_heads] int64 cache rows of the new K (0) and V (1)
+    # write_rows: [2, num_actual_tokens * num_kv_heads] int64 cache rows of the new K (0) and V (1);
+    # None for encoders
     write_rows: torch.Tensor | None
-    # --- decodes (query_len == 1), batched together ---
-    num_decodes: int
-    # decode_token_idx: [num_decodes] int64 index of each decode's query token in the batch
-    decode_token_idx: torch.Tensor | None
-    # True when the decodes are exactly tokens [0, num_decodes) in order (no scatter needed)
-    decodes_first: bool
-    # decode_rows: [2 * num_decodes * num_kv_heads * decode_kv_len] int64 cache rows
-    decode_rows: torch.Tensor | None
-    decode_kv_len: int
-    # decode_mask: [num_decodes, 1, 1, decode_kv_len] float32, 0 or -inf (padding past each context)
-    decode_mask: torch.Tensor | None
-    # --- prefill chunks, one SDPA call each ---
-    prefills: tuple[_PrefillSeq, ...]
-    # --- encoder mode (no KV cache): [start, end) of each sequence ---
-    encoder_seqs: tuple[tuple[int, int], ...]
+    decode_groups: tuple[_DecodeGroup, ...]
+    seq_groups: tuple[_SeqGroup, ...]
 
 
 class CpuPagedAttentionBackend(AttentionBackend):
@@ -91,12 +97,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
     supports_encoder = True
     max_gqa_ratio = None
 
+    #: Padded keys per decode group (see `_decode_groups`; chosen in bench_attention.py).
+    decode_group_tokens: int = 4096
+
     def __init__(self, spec: AttentionSpec, block_size: int, device: torch.device) -> None:
         super().__init__(spec, block_size, device)
         self.num_kv_heads = spec.num_kv_heads
         self.num_heads = spec.num_heads
         self.head_size = spec.head_size
         self.gqa_ratio = spec.gqa_ratio
+        # a token's V row is its K row + this (see `_rows`)
+        self._v_shift = spec.num_kv_heads * block_size
 
     # ----- layout ----------------------------------------------------------------------
 
@@ -121,91 +132,121 @@ class CpuPagedAttentionBackend(AttentionBackend):
         qsl = batch.query_start_loc.to(torch.int64)
         seq_lens = batch.seq_lens.to(torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
-        num_seqs = batch.num_seqs
-
         if not self.spec.causal:
-            bounds = tuple((int(a), int(b)) for a, b in zip(qsl[:-1].tolist(), qsl[1:].tolist()) if b > a)
-            return CpuPagedAttentionMetadata(
-                num_actual_tokens=num_tokens,
-                write_rows=None,
-                num_decodes=0,
-                decode_token_idx=None,
-                decodes_first=False,
-                decode_rows=None,
-                decode_kv_len=0,
-                decode_mask=None,
-                prefills=(),
-                encoder_seqs=bounds,
-            )
+            groups = self._runs(qsl.tolist(), query_lens.tolist(), query_lens.tolist(), None)
+            return CpuPagedAttentionMetadata(num_tokens, None, (), tuple(groups))
 
         bs = self.block_size
-        v_shift = self.num_kv_heads * bs
         slots = batch.slot_mapping[:num_tokens].to(torch.int64)
         k_rows = self._rows(slots // bs, slots % bs).reshape(-1)
-        write_rows = torch.stack([k_rows, k_rows + v_shift])
+        write_rows = torch.stack([k_rows, k_rows + self._v_shift])
 
         block_table = batch.block_table.to(torch.int64)
         window = self.spec.sliding_window
-        # First key each sequence needs: a window drops keys older than the first query's reach.
         first_query_pos = seq_lens - query_lens
+        # First key each sequence needs: a window drops keys older than its first query's reach.
         kv_start = torch.zeros_like(seq_lens)
         if window is not None:
             kv_start = (first_query_pos - window + 1).clamp(min=0)
         kv_lens = seq_lens - kv_start
 
         is_decode = query_lens == 1
-        decode_idx = torch.nonzero(is_decode).flatten()
-        num_decodes = int(decode_idx.numel())
-        decode_token_idx = decode_rows = decode_mask = None
-        decode_kv_len = 0
-        decodes_first = False
-        if num_decodes:
-            decode_token_idx = qsl[decode_idx]
-            decodes_first = bool(torch.equal(decode_token_idx, torch.arange(num_decodes)))
-            d_start = kv_start[decode_idx]
-            d_len = kv_lens[decode_idx]
-            decode_kv_len = int(d_len.max())
-            j = torch.arange(decode_kv_len, dtype=torch.int64)
-            valid = j < d_len.unsqueeze(1)  # [num_decodes, kv_len]
-            # Padding positions re-read the sequence's first key (always written, so
-            # finite); the -inf mask gives them zero weight.
-            pos = d_start.unsqueeze(1) + torch.where(valid, j, 0)
-            blocks = torch.gather(block_table[decode_idx], 1, pos // bs)
-            rows = self._rows(blocks, pos % bs).permute(0, 2, 1)  # [num_decodes, kv_heads, kv_len]
-            decode_rows = torch.stack([rows, rows + v_shift]).reshape(-1)
-            decode_mask = torch.zeros(num_decodes, 1, 1, decode_kv_len, dtype=torch.float32)
-            decode_mask.masked_fill_(~valid.view(num_decodes, 1, 1, decode_kv_len), _NEG_INF)
+        decode_groups = self._decode_groups(torch.nonzero(is_decode).flatten(), qsl, kv_start, kv_lens, block_table)
 
-        prefills = []
-        for i in torch.nonzero(~is_decode & (query_lens > 0)).flatten().tolist():
-            q0, q1 = int(qsl[i]), int(qsl[i + 1])
-            start, kv_len = int(kv_start[i]), int(kv_lens[i])
-            pos = torch.arange(start, start + kv_len, dtype=torch.int64)
-            blocks = block_table[i, pos // bs]
-            rows = self._rows(blocks, pos % bs).t()  # [kv_heads, kv_len]
-            kv_rows = torch.stack([rows, rows + v_shift]).reshape(-1)
-            qlen = q1 - q0
+        seq_groups: list[_SeqGroup] = []
+        qsl_list, qlen_list = qsl.tolist(), query_lens.tolist()
+        start_list, kvlen_list = kv_start.tolist(), kv_lens.tolist()
+        fresh: list[int] = []  # run of prompts with no cached prefix, batched by `_runs`
+        for i in torch.nonzero(query_lens > 1).flatten().tolist():
+            if start_list[i] == 0 and kvlen_list[i] == qlen_list[i]:
+                if fresh and fresh[-1] != i - 1:
+                    seq_groups += self._runs(qsl_list, qlen_list, qlen_list, fresh)
+                    fresh = []
+                fresh.append(i)
+                continue
+            pos = torch.arange(start_list[i], start_list[i] + kvlen_list[i], dtype=torch.int64)
+            rows = self._rows(block_table[i, pos // bs], pos % bs).t()  # [kv_heads, kv_len]
             q_pos = torch.arange(int(first_query_pos[i]), int(seq_lens[i]), dtype=torch.int64)
-            mask = None
-            if window is not None or kv_len != qlen or start != 0:
-                allowed = pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-                if window is not None:
-                    allowed &= pos.unsqueeze(0) > q_pos.unsqueeze(1) - window
-                mask = allowed
-            prefills.append(_PrefillSeq(q0, q1, kv_rows, kv_len, mask))
+            seq_groups.append(
+                _SeqGroup(
+                    query_start=qsl_list[i],
+                    num_seqs=1,
+                    query_len=qlen_list[i],
+                    kv_len=kvlen_list[i],
+                    rows=torch.stack([rows, rows + self._v_shift]).reshape(-1),
+                    mask=self._causal_mask(q_pos, pos),
+                )
+            )
+        if fresh:
+            seq_groups += self._runs(qsl_list, qlen_list, qlen_list, fresh)
+        return CpuPagedAttentionMetadata(num_tokens, write_rows, decode_groups, tuple(seq_groups))
 
-        return CpuPagedAttentionMetadata(
-            num_actual_tokens=num_tokens,
-            write_rows=write_rows,
-            num_decodes=num_decodes,
-            decode_token_idx=decode_token_idx,
-            decodes_first=decodes_first,
-            decode_rows=decode_rows,
-            decode_kv_len=decode_kv_len,
-            decode_mask=decode_mask,
-            prefills=tuple(prefills),
-            encoder_seqs=(),
-        )
+    def _causal_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[len(q_pos), len(k_pos)] bool: key position <= query position, within the window."""
+        allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if self.spec.sliding_window is not None:
+            allowed &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.spec.sliding_window
+        return allowed
+
+    def _runs(self, qsl: list[int], qlens: list[int], kvlens: list[int], seqs: list[int] | None) -> list[_SeqGroup]:
+        """Group consecutive sequences whose keys are exactly their new tokens by equal length."""
+        if seqs is None:
+            seqs = [i for i, n in enumerate(qlens) if n > 0]
+        groups: list[_SeqGroup] = []
+        i = 0
+        while i < len(seqs):
+            j = i + 1
+            while j < len(seqs) and seqs[j] == seqs[j - 1] + 1 and qlens[seqs[j]] == qlens[seqs[i]]:
+                j += 1
+            n = qlens[seqs[i]]
+            mask = None
+            if self.spec.causal and self.spec.sliding_window is not None and n > self.spec.sliding_window:
+                pos = torch.arange(n, dtype=torch.int64)
+                mask = self._causal_mask(pos, pos)
+            groups.append(_SeqGroup(qsl[seqs[i]], j - i, n, kvlens[seqs[i]], None, mask))
+            i = j
+        return groups
+
+    def _decode_groups(self, idx, qsl, kv_start, kv_lens, block_table) -> tuple[_DecodeGroup, ...]:
+        """Decodes sorted by context length, cut into groups of at most `decode_group_tokens`
+        padded keys: little padding, and each group's K/V stays in cache between the matmuls."""
+        if idx.numel() == 0:
+            return ()
+        bs = self.block_size
+        lens = kv_lens[idx]
+        order = torch.argsort(lens, descending=True, stable=True)
+        idx, lens = idx[order], lens[order]
+        lens_list = lens.tolist()
+        groups = []
+        start = 0
+        while start < len(lens_list):
+            width = lens_list[start]  # the longest of the group (sorted)
+            stop = start + max(1, self.decode_group_tokens // max(width, 1))
+            stop = min(stop, len(lens_list))
+            members = idx[start:stop]
+            glens = lens[start:stop]
+            j = torch.arange(width, dtype=torch.int64)
+            valid = j < glens.unsqueeze(1)  # [n, width]
+            # Padding re-reads the sequence's first key (always written, hence finite);
+            # the -inf mask gives it zero weight.
+            pos = kv_start[members].unsqueeze(1) + torch.where(valid, j, 0)
+            blocks = torch.gather(block_table[members], 1, pos // bs)
+            rows = self._rows(blocks, pos % bs).transpose(1, 2)  # [n, kv_heads, width]
+            mask = None
+            if lens_list[stop - 1] != width:
+                mask = torch.zeros(stop - start, 1, 1, width, dtype=torch.float32)
+                mask.masked_fill_(~valid.view(stop - start, 1, 1, width), _NEG_INF)
+            groups.append(
+                _DecodeGroup(
+                    num_seqs=stop - start,
+                    kv_len=width,
+                    token_idx=qsl[members],
+                    rows=torch.stack([rows, rows + self._v_shift]).reshape(-1),
+                    mask=mask,
+                )
+            )
+            start = stop
+        return tuple(groups)
 
     # ----- forward ---------------------------------------------------------------------
 
@@ -221,60 +262,54 @@ class CpuPagedAttentionBackend(AttentionBackend):
         md: CpuPagedAttentionMetadata = metadata  # type: ignore[assignment]
         # out: [num_tokens, num_heads, head_size]
         out = torch.empty_like(q)
-        if not self.spec.causal:
-            self._encoder(q, k, v, md, out)
-            return out
-        if kv_cache is None:
-            raise ValueError(f"{self.name}: a causal attention layer needs its kv_cache tensor")
-        n = md.num_actual_tokens
-        d = self.head_size
-        # table: [num_blocks * 2 * num_kv_heads * block_size, head_size]
-        table = kv_cache.view(-1, d)
-        table.index_copy_(0, md.write_rows[0], k[:n].reshape(-1, d))
-        table.index_copy_(0, md.write_rows[1], v[:n].reshape(-1, d))
-
-        if md.num_decodes:
-            self._decode(q, table, md, out)
-        for p in md.prefills:
-            self._prefill(q, table, p, out)
+        table = None
+        if self.spec.causal:
+            if kv_cache is None:
+                raise ValueError(f"{self.name}: a causal attention layer needs its kv_cache tensor")
+            n, d = md.num_actual_tokens, self.head_size
+            # table: [num_blocks * 2 * num_kv_heads * block_size, head_size]
+            table = kv_cache.view(-1, d)
+            table.index_copy_(0, md.write_rows[0], k[:n].reshape(-1, d))
+            table.index_copy_(0, md.write_rows[1], v[:n].reshape(-1, d))
+        for group in md.decode_groups:
+            self._decode(q, table, group, out)
+        for group in md.seq_groups:
+            self._seq_group(q, k, v, table, group, out)
         return out
 
-    def _decode(self, q: torch.Tensor, table: torch.Tensor, md: CpuPagedAttentionMetadata, out: torch.Tensor) -> None:
-        nd, hkv, g, d, kvl = md.num_decodes, self.num_kv_heads, self.gqa_ratio, self.head_size, md.decode_kv_len
-        # kv: [2, num_decodes, num_kv_heads, kv_len, head_size], each block read once
-        kv = table.index_select(0, md.decode_rows).view(2, nd, hkv, kvl, d)
-        qd = q[:nd] if md.decodes_first else q.index_select(0, md.decode_token_idx)
-        # qd: [num_decodes, num_kv_heads, gqa_ratio, head_size]: query heads grouped per KV head
-        qd = qd.reshape(nd, hkv, g, d).float()
-        keys = kv[0].float()
-        values = kv[1].float()
-        # scores: [num_decodes, num_kv_heads, gqa_ratio, kv_len]
-        scores = torch.matmul(qd, keys.transpose(-1, -2))
-        scores.mul_(self.spec.scale)
-        self._soft_cap(scores)
-        scores.add_(md.decode_mask)
+    def _decode(self, q: torch.Tensor, table: torch.Tensor, g: _DecodeGroup, out: torch.Tensor) -> None:
+        n, hkv, ratio, d, kvl = g.num_seqs, self.num_kv_heads, self.gqa_ratio, self.head_size, g.kv_len
+        # kv: [2, n, num_kv_heads, kv_len, head_size], float32 (CPU matmuls in bf16/fp16 are slow)
+        kv = table.index_select(0, g.rows).view(2, n, hkv, kvl, d).float()
+        # qd: [n, num_kv_heads, gqa_ratio, head_size]: query heads grouped per KV head, no K/V repeat
+        qd = q.index_select(0, g.token_idx).view(n, hkv, ratio, d).float()
+        cap = self.spec.logits_soft_cap
+        if cap is None:
+            qd = qd * self.spec.scale  # cheaper on q than on the scores
+        # scores: [n, num_kv_heads, gqa_ratio, kv_len]
+        scores = torch.matmul(qd, kv[0].transpose(-1, -2))
+        if cap is not None:
+            scores.mul_(self.spec.scale / cap).tanh_().mul_(cap)
+        if g.mask is not None:
+            scores.add_(g.mask)
         probs = torch.softmax(scores, dim=-1)
-        res = torch.matmul(probs, values).view(nd, self.num_heads, d)
-        if md.decodes_first:
-            out[:nd] = res
+        res = torch.matmul(probs, kv[1]).view(n, self.num_heads, d)
+        out.index_copy_(0, g.token_idx, res.to(out.dtype))
+
+    def _seq_group(self, q, k, v, table, g: _SeqGroup, out: torch.Tensor) -> None:
+        n, ql, kvl, d = g.num_seqs, g.query_len, g.kv_len, self.head_size
+        a, b = g.query_start, g.query_start + n * ql
+        # qs: [n, num_heads, query_len, head_size] (a strided view; SDPA reads it in place)
+        qs = q[a:b].view(n, ql, self.num_heads, d).transpose(1, 2)
+        if g.rows is None:
+            ks = k[a:b].view(n, ql, self.num_kv_heads, d).transpose(1, 2)
+            vs = v[a:b].view(n, ql, self.num_kv_heads, d).transpose(1, 2)
         else:
-            out.index_copy_(0, md.decode_token_idx, res.to(out.dtype))
-
-    def _prefill(self, q: torch.Tensor, table: torch.Tensor, p: _PrefillSeq, out: torch.Tensor) -> None:
-        hkv, d = self.num_kv_heads, self.head_size
-        kv = table.index_select(0, p.kv_rows).view(2, 1, hkv, p.kv_len, d)
-        # qp: [1, num_heads, query_len, head_size]
-        qp = q[p.query_start : p.query_end].transpose(0, 1).unsqueeze(0)
-        res = self._sdpa(qp, kv[0], kv[1], p.mask, causal=p.mask is None)
-        out[p.query_start : p.query_end] = res[0].transpose(0, 1)
-
-    def _encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: CpuPagedAttentionMetadata, out: torch.Tensor) -> None:
-        for start, end in md.encoder_seqs:
-            qs = q[start:end].transpose(0, 1).unsqueeze(0)
-            ks = k[start:end].transpose(0, 1).unsqueeze(0)
-            vs = v[start:end].transpose(0, 1).unsqueeze(0)
-            res = self._sdpa(qs, ks, vs, None, causal=False)
-            out[start:end] = res[0].transpose(0, 1)
+            kv = table.index_select(0, g.rows).view(2, n, self.num_kv_heads, kvl, d)
+            ks, vs = kv[0], kv[1]
+        causal = self.spec.causal and g.mask is None
+        res = self._sdpa(qs, ks, vs, g.mask, causal)
+        out[a:b].view(n, ql, self.num_heads, d).copy_(res.transpose(1, 2))
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         """Attention of q [B, H, Lq, D] over k/v [B, Hkv, L, D]; mask [Lq, L] bool or None."""
@@ -283,20 +318,16 @@ class CpuPagedAttentionBackend(AttentionBackend):
                 q, k, v, attn_mask=mask, is_causal=causal, scale=self.spec.scale, enable_gqa=self.gqa_ratio > 1
             )
         # SDPA has no soft cap: explicit float32 path, query heads grouped per KV head.
+        cap = self.spec.logits_soft_cap
         b, h, lq, d = q.shape
         hkv, kvl = k.shape[1], k.shape[2]
         qg = q.reshape(b, hkv, self.gqa_ratio * lq, d).float()
-        scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(self.spec.scale)
-        self._soft_cap(scores)
+        scores = torch.matmul(qg, k.float().transpose(-1, -2))
+        scores.mul_(self.spec.scale / cap).tanh_().mul_(cap)
         scores = scores.view(b, hkv, self.gqa_ratio, lq, kvl)
         if causal:
             mask = torch.ones(lq, kvl, dtype=torch.bool).tril(kvl - lq)
         if mask is not None:
-            scores = scores.masked_fill(~mask, _NEG_INF)
+            scores.masked_fill_(~mask, _NEG_INF)
         probs = torch.softmax(scores, dim=-1).view(b, hkv, self.gqa_ratio * lq, kvl)
         return torch.matmul(probs, v.float()).view(b, h, lq, d).to(q.dtype)
-
-    def _soft_cap(self, scores: torch.Tensor) -> None:
-        cap = self.spec.logits_soft_cap
-        if cap is not None:
-            scores.div_(cap).tanh_().mul_(cap)

@@ -25,6 +25,21 @@ def test_against_reference(case):
     assert result.errors
 
 
+class _SmallDecodeGroups(CpuPagedAttentionBackend):
+    """Same backend, cut into many decode groups (each group has its own padding and mask)."""
+
+    decode_group_tokens = 40
+
+
+SMALL_GROUP_CASES = [c for c in default_cases(CpuPagedAttentionBackend, torch.float32) if "d128" not in c.name]
+
+
+@pytest.mark.parametrize("case", SMALL_GROUP_CASES, ids=[c.name for c in SMALL_GROUP_CASES])
+def test_many_decode_groups(case):
+    result = run_case(_SmallDecodeGroups, case, "cpu")
+    assert result.skipped is None, result.skipped
+
+
 def test_registered_under_its_name():
     assert get_registry().get("attention_backends", "cpu_paged") is CpuPagedAttentionBackend
 
