@@ -310,7 +310,7 @@ class Scheduler:
         if request.is_pooling:
             return False
         # A resumed request longer than any step's budget must be split to run at all.
-        return self.enable_chunked_prefill or num_new_tokens > self.max_num_batched_tokens
+        return self.enable_chunked_prefill or (bool(request.output_token_ids) and num_new_tokens > self.max_num_batched_tokens)
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch; advances each scheduled request's num_computed_tokens."""
