@@ -74,40 +74,88 @@ class SamplerOutput:
         return self.ranks
 
 
-def _log_normalizer(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim of a float32 [N, V] tensor, keepdim."""
-    # x: [N, V] -> [N, 1]
-    m = x.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return m + (x - m).exp_().sum(dim=-1, keepdim=True).log_()
+class _Workspace:
+    """Reusable float32 [rows, vocab] scratch tensors, one per name and device.
+
+    A [64, 152k] float32 tensor is ~39 MB: on the CPU every fresh allocation that size is
+    a new mmap whose page faults cost more than the arithmetic, so the sampler reuses them.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[1] != vocab or buf.shape[0] < rows:
+            keep = buf.shape[0] if buf is not None and buf.shape[1] == vocab else 0
+            buf = torch.empty(max(rows, keep), vocab, dtype=torch.float32, device=device)
+            self._bufs[key] = buf
+        return buf[:rows]
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """Row maxima with -inf (a fully masked row) replaced by 0, so `x - m` stays finite-or--inf."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+_ARGMAX_BLOCK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` (first index on ties) for a [N, V] float tensor.
+
+    On the CPU, torch's argmax is several times slower than its vectorised amax, so large
+    rows go through block maxima: the first block holding the row maximum, then the
+    first maximum inside it — the same index argmax returns.
+    """
+    n, vocab = x.shape
+    if x.device.type != "cpu" or vocab < 8 * _ARGMAX_BLOCK or x.stride(1) != 1 or n == 0:
+        return x.argmax(dim=-1)
+    size = _ARGMAX_BLOCK
+    num_full = vocab // size
+    block_max = x[:, : num_full * size].view(n, num_full, size).amax(dim=-1)  # [n, num_full]
+    if num_full * size < vocab:
+        block_max = torch.cat([block_max, x[:, num_full * size :].amax(dim=-1, keepdim=True)], dim=1)
+    start = block_max.argmax(dim=-1) * size  # [n]
+    offsets = start.view(-1, 1) + torch.arange(size, device=x.device)  # [n, size]
+    vals = x.gather(1, offsets.clamp(max=vocab - 1)).masked_fill_(offsets >= vocab, float("-inf"))
+    return start + vals.argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+                   scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Raw logprobs of `token_ids`, their ranks, and the top-k (ids, logprobs), on the CPU.
 
     :param logits: [N, V] raw logits (any float dtype).
     :param token_ids: [N] int64 on the logits' device.
     :param k: number of top entries (0 gives [N, 0] tensors).
+    :param scratch: optional float32 [N, V] buffer to compute in.
     :returns: (logprob [N] float32, rank [N] int64, top ids [N, k] int64, top logprobs [N, k] float32).
     """
     x = logits.float()
-    lse = _log_normalizer(x)  # [N, 1]
+    num_rows, vocab = x.shape
+    buf = torch.empty_like(x) if scratch is None else scratch
+    m = _finite_or_zero(x.amax(dim=-1, keepdim=True))  # [N, 1]
+    lse = m + torch.sub(x, m, out=buf).exp_().sum(dim=-1, keepdim=True).log_()  # [N, 1]
     picked = x.gather(1, token_ids.view(-1, 1).long())  # [N, 1]
-    # Ranks compare raw logits: x - lse is monotone, so this is the exact order.
-    rank = (x >= picked).sum(dim=-1)
+    # rank = #(x >= picked), comparing raw logits (x - lse is monotone: the exact order).
+    if bool(torch.isfinite(picked).all()):
+        # float signs instead of a bool sum (which converts [N, V] to int64 on the CPU):
+        # sum(sign) = #greater - #less, sum(|sign|) = #greater + #less; both exact.
+        sign = torch.sub(x, picked, out=buf).sign_()
+        diff = sign.sum(dim=-1)
+        unequal = sign.abs_().sum(dim=-1)
+        rank = (vocab - (unequal - diff) * 0.5).round_().long()
+    else:
+        rank = (x >= picked).sum(dim=-1)
     if k > 0:
-        top_vals, top_ids = torch.topk(x, min(k, x.shape[-1]), dim=-1)
+        top_vals, top_ids = torch.topk(x, min(k, vocab), dim=-1)
         top_lp = top_vals - lse
     else:
-        top_ids = torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
-        top_lp = torch.zeros(x.shape[0], 0, dtype=torch.float32, device=x.device)
-    return (
-        (picked - lse).view(-1).cpu(),
-        rank.cpu(),
-        top_ids.cpu(),
-        top_lp.cpu(),
-    )
-
+        top_ids = torch.zeros(num_rows, 0, dtype=torch.int64, device=x.device)
+        top_lp = torch.zeros(num_rows, 0, dtype=torch.float32, device=x.device)
+    return (picked - lse).view(-1).cpu(), rank.cpu(), top_ids.cpu(), top_lp.cpu()
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """Prompt logprobs of one chunk of positions: row i's logits scored against target i.
@@ -127,66 +175,73 @@ class Sampler:
 
     def __init__(self, num_candidates: int = NUM_CANDIDATES) -> None:
         self.num_candidates = num_candidates
+        self._ws = _Workspace()
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.
 
-        :param logits: [B, V] raw logits, rows in the order of the metadata's req_ids.
+        :param logits: [B, V] raw logits, rows in the order of the metadata's req_ids
+            (never modified).
         :param meta: from `SamplingState.make_metadata`.
         :returns: tokens [B] on the CPU, and logprobs when any row asked for them.
         """
         num_rows, vocab = logits.shape
         if num_rows != meta.num_rows:
             raise ValueError(f"logits have {num_rows} rows but the sampling metadata has {meta.num_rows}")
-        work = logits.float()
+        device = logits.device
+        raw = logits if logits.dtype == torch.float32 else self._ws.get("raw", num_rows, vocab, device).copy_(logits)
+        work = raw
         if meta.needs_logits_edit:
-            if work is logits:
-                work = logits.clone()
-            work = self._apply_edits(work, meta)
+            work = self._ws.get("work", num_rows, vocab, device).copy_(raw)
+            self._apply_edits(work, meta)
 
         if meta.all_greedy:
-            sampled = work.argmax(dim=-1)
+            sampled = argmax_rows(work)
         else:
-            sampled = torch.empty(num_rows, dtype=torch.int64, device=work.device)
-            if meta.greedy_rows is not None:
-                sampled[meta.greedy_rows] = work.index_select(0, meta.greedy_rows).argmax(dim=-1)
-            for group, draw, consumes in ((meta.plain, self._draw_plain, True),
-                                          (meta.truncated, self._draw_truncated, False)):
-                if group is None:
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
+            groups = [(meta.greedy_rows, None), (None if meta.plain is None else meta.plain.rows, meta.plain),
+                      (None if meta.truncated is None else meta.truncated.rows, meta.truncated)]
+            for rows, group in groups:
+                if rows is None:
                     continue
-                if group.rows.numel() == num_rows:
-                    x, owned = work, work is not logits
+                if rows.numel() == num_rows:
+                    x = work
                 else:
-                    x, owned = work.index_select(0, group.rows), True
-                if group.temperature is not None:
-                    t = group.temperature.view(-1, 1)
-                    x, owned = (x.div_(t) if owned else x / t), True
-                if consumes and not owned:
-                    x = x.clone()
-                sampled[group.rows] = draw(x, group)
+                    x = torch.index_select(work, 0, rows, out=self._ws.get("rows", rows.numel(), vocab, device))
+                if group is None:
+                    tokens = argmax_rows(x)
+                elif group is meta.plain:
+                    tokens = self._draw_plain(x, group)
+                else:
+                    tokens = self._draw_truncated(x, group)
+                sampled[rows] = tokens
 
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled.cpu(), None, None, None, None)
-        lp, rank, top_ids, top_lp = token_logprobs(logits, sampled, meta.max_num_logprobs)
+        scratch = self._ws.get("tmp", num_rows, vocab, device)
+        lp, rank, top_ids, top_lp = token_logprobs(raw, sampled, meta.max_num_logprobs, scratch)
         return SamplerOutput(sampled.cpu(), lp, rank, top_ids, top_lp)
 
     def processed_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The float32 logits after steps 2-7 (what greedy rows take the argmax of).
 
-        For inspection and tests; `__call__` does the same work without this copy.
+        For inspection and tests; `__call__` does the same work in a scratch buffer.
         """
-        return self._apply_edits(logits.float().clone(), meta)
+        work = logits.float().clone()
+        self._apply_edits(work, meta)
+        return work
 
-    # ----- steps 3-7: rewrite logits ----------------------------------------------------
+    # ----- steps 3-7: rewrite logits in place -------------------------------------------
 
-    def _apply_edits(self, work: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _apply_edits(self, work: torch.Tensor, meta: SamplingMetadata) -> None:
         """Allowed ids, min_tokens, logit_bias, user processors, penalties (in that order)."""
+        # work: [B, V] float32, contiguous, ours to modify
         neg_inf = float("-inf")
         if meta.allowed_rows is not None:
-            keep = torch.zeros(meta.allowed_rows.numel(), work.shape[1], dtype=torch.bool, device=work.device)
-            keep[meta.allowed_pos, meta.allowed_tokens] = True
-            sub = work.index_select(0, meta.allowed_rows).masked_fill_(~keep, neg_inf)
-            work.index_copy_(0, meta.allowed_rows, sub)
+            rows = meta.allowed_rows.index_select(0, meta.allowed_pos)  # batch row of each allowed id
+            kept = work[rows, meta.allowed_tokens]
+            work.index_fill_(0, meta.allowed_rows, neg_inf)
+            work[rows, meta.allowed_tokens] = kept
         if meta.min_tokens_rows is not None:
             work[meta.min_tokens_rows, meta.min_tokens_tokens] = neg_inf
         if meta.bias_rows is not None:
@@ -198,141 +253,153 @@ class Sampler:
             work[row] = logits_row
         if meta.penalties is not None:
             self._apply_penalties(work, meta.penalties)
-        return work
 
-    @staticmethod
-    def _apply_penalties(work: torch.Tensor, pen: PenaltyTensors) -> None:
-        vocab = work.shape[1]
+    def _apply_penalties(self, work: torch.Tensor, pen: PenaltyTensors) -> None:
+        """Penalise only the tokens that occur: gather them, transform, scatter back.
+
+        Padding entries hold token 0 and get token 0's correctly penalised value, so the
+        scatter (idempotent: duplicates write equal values) needs no sentinel.
+        """
         n = pen.rows.numel()
-        x = work.index_select(0, pen.rows)  # [n, V]
-        counts = torch.zeros(n, vocab, dtype=torch.float32, device=work.device)
-        counts.scatter_add_(1, pen.output_ids, pen.output_weight)  # occurrences in the output
+        vocab = work.shape[1]
+        counts = self._ws.get("counts", n, vocab, work.device).zero_()
+        counts.scatter_add_(1, pen.output_ids, pen.output_weight)  # [n, V] occurrences in the output
+        ids = pen.output_ids
+        in_prompt = None
         if pen.repetition is not None:
-            seen = counts > 0
-            prompt_counts = torch.zeros_like(counts).scatter_add_(1, pen.prompt_ids, pen.prompt_weight)
-            seen |= prompt_counts > 0
-            rep = pen.repetition.view(-1, 1).expand(n, vocab)
+            prompt_counts = self._ws.get("prompt_counts", n, vocab, work.device).zero_()
+            prompt_counts.scatter_add_(1, pen.prompt_ids, pen.prompt_weight)
+            ids = torch.cat([ids, pen.prompt_ids], dim=1)
+            in_prompt = prompt_counts.gather(1, ids) > 0
+        # ids: [n, M] tokens to update
+        flat = pen.rows.view(-1, 1) * vocab + ids  # [n, M] positions in work
+        x = work.view(-1)[flat]
+        c = counts.gather(1, ids)
+        if pen.repetition is not None:
+            seen = (c > 0) | in_prompt
+            rep = pen.repetition.view(-1, 1)
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x -= pen.frequency.view(-1, 1) * counts
-        x -= pen.presence.view(-1, 1) * (counts > 0).float()
-        work.index_copy_(0, pen.rows, x)
+        x = x - pen.frequency.view(-1, 1) * c - pen.presence.view(-1, 1) * (c > 0).float()
+        work.view(-1)[flat] = x
 
-    # ----- steps 9-12: random draws ------------------------------------------------------
+    # ----- steps 9-12: random draws (x holds steps 2-7's logits, never modified) --------
 
-    @staticmethod
-    def _draw_plain(x: torch.Tensor, group: RandomGroup) -> torch.Tensor:
-        """Inverse CDF over the full vocabulary in token-id order (x is consumed)."""
-        # x: [n, V] temperature-scaled logits
-        m = x.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a fully masked row stays finite
-        e = x.sub_(m).exp_()  # probabilities / top probability
+    def _draw_plain(self, x: torch.Tensor, group: RandomGroup) -> torch.Tensor:
+        """Inverse CDF over the full vocabulary in token-id order."""
+        # x: [n, V]
+        n, vocab = x.shape
+        m = _finite_or_zero(x.amax(dim=-1, keepdim=True))
+        e = torch.sub(x, m, out=self._ws.get("tmp", n, vocab, x.device))
+        if group.temperature is not None:
+            e.div_(group.temperature.view(-1, 1))
+        e.exp_()  # [n, V] probability / top probability
         if group.min_p is not None:
             e.masked_fill_(e < group.min_p.view(-1, 1), 0.0)
         c = e.cumsum_(dim=-1)
         target = group.uniforms.view(-1, 1) * c[:, -1:]
         idx = torch.searchsorted(c, target, right=True).view(-1)
-        return idx.clamp_(max=x.shape[1] - 1)
+        return idx.clamp_(max=vocab - 1)
 
     def _draw_truncated(self, x: torch.Tensor, group: RandomGroup) -> torch.Tensor:
         """Top-k / top-p rows: candidates first, bigger candidate sets for the rows that need it."""
-        # x: [n, V] temperature-scaled logits
+        # x: [n, V]
         n, vocab = x.shape
         top_k = group.top_k
         max_top_k = group.max_top_k
-        if top_k is not None and max_top_k >= vocab:
+        if top_k is not None and max_top_k >= vocab:  # top_k >= vocabulary keeps everything
             top_k = torch.where(top_k >= vocab, torch.zeros_like(top_k), top_k)
             max_top_k = int(top_k.max())
-        size = max(self.num_candidates, max_top_k + 1)
-        out = torch.empty(n, dtype=torch.int64, device=x.device)
-        rows = torch.arange(n, device=x.device)
-        full_mass: torch.Tensor | None = None
+        full_mass = None
         if group.top_p is not None:
             # top-p without top-k renormalises over the whole (min_p-filtered) vocabulary
-            m = x.amax(dim=-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            e = (x - m).exp_()
+            m = _finite_or_zero(x.amax(dim=-1, keepdim=True))
+            e = torch.sub(x, m, out=self._ws.get("tmp", n, vocab, x.device))
+            if group.temperature is not None:
+                e.div_(group.temperature.view(-1, 1))
+            e.exp_()
             if group.min_p is not None:
                 e.masked_fill_(e < group.min_p.view(-1, 1), 0.0)
-            full_mass = e.sum(dim=-1)
-            del e
+            full_mass = e.sum(dim=-1)  # [n]
+        params = (top_k, group.top_p, group.min_p, group.temperature, group.uniforms, full_mass)
+        size = max(self.num_candidates, max_top_k + 1)
+        out = torch.empty(n, dtype=torch.int64, device=x.device)
+        rows = None  # None: every row of x
         while True:
             k = min(size, vocab)
-            sub = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-            xs = x.index_select(0, rows) if rows.numel() != n else x
-            tokens, ok = self._draw_candidates(
-                xs, k, sub(top_k), sub(group.top_p), sub(group.min_p), group.uniforms.index_select(0, rows),
-                sub(full_mass),
-            )
+            if rows is None:
+                xs, sub = x, params
+            else:
+                xs = x.index_select(0, rows)
+                sub = tuple(None if t is None else t.index_select(0, rows) for t in params)
+            tokens, ok = _draw_candidates(xs, k, *sub)
             if k == vocab:
+                ok = None
+            if rows is None and ok is None:
+                return tokens
+            if rows is None:
+                rows = torch.arange(n, device=x.device)
+            if ok is None:
                 out[rows] = tokens
                 return out
-            done = ok.nonzero().view(-1)
-            out[rows[done]] = tokens[done]
+            out[rows[ok]] = tokens[ok]
             rows = rows[~ok]
             if rows.numel() == 0:
                 return out
             size *= CANDIDATE_GROWTH
 
-    @staticmethod
-    def _draw_candidates(x, k, top_k, top_p, min_p, uniforms, full_mass):
-        """Draw each row from its k largest logits; `ok` says whether that was exact.
 
-        x: [n, V]; top_k: [n] int64 | None; top_p, min_p, uniforms, full_mass: [n] | None.
-        Returns (tokens [n] int64, ok [n] bool).
-        """
-        n, vocab = x.shape
-        if k >= vocab:
-            # canonical order directly: a stable descending sort keeps ties in id order
-            vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
-        else:
-            vals, ids = torch.topk(x, k, dim=-1)
-            # canonical tie order: id ascending, then a stable sort by value
-            ids, perm = torch.sort(ids, dim=-1)
-            vals = vals.gather(1, perm)
-            vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-            ids = ids.gather(1, perm)
-        # vals, ids: [n, k], descending
-        last = vals[:, -1]
-        complete = torch.full((n,), k >= vocab, dtype=torch.bool, device=x.device) | (last == float("-inf"))
-        top = vals[:, :1]
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        e = (vals - top).exp_()  # [n, k] probabilities / top probability
-        ok = complete.clone()
-        if min_p is not None:
-            below = e < min_p.view(-1, 1)
-            # the last candidate below the min_p cut: so is every token outside the candidates
-            ok |= below[:, -1]
-            e.masked_fill_(below, 0.0)
-        has_k = None
-        if top_k is not None:
-            has_k = top_k > 0
-            kth = vals.gather(1, (top_k - 1).clamp_(min=0, max=k - 1).view(-1, 1))  # [n, 1]
-            keep = (vals >= kth) | ~has_k.view(-1, 1)
-            e = e * keep
-            ok |= has_k & (kth.view(-1) > last)
-        if top_p is not None:
-            if full_mass is not None:
-                mass = e.sum(dim=-1)
-                # rows with top-k, or complete, renormalise over their candidates
-                if has_k is not None:
-                    mass = torch.where(has_k | complete, mass, full_mass)
-                else:
-                    mass = torch.where(complete, mass, full_mass)
-            else:
-                mass = e.sum(dim=-1)
-            c = e.cumsum(dim=-1)
-            before = c - e  # mass ranked strictly above each candidate
-            keep_p = before < (top_p * mass).view(-1, 1)
-            e = e * keep_p
-            # the cut is exact if it falls inside the candidates, strictly above the last value
-            num_kept = keep_p.sum(dim=-1)
-            last_kept = vals.gather(1, (num_kept - 1).clamp_(min=0).view(-1, 1)).view(-1)
-            cut_inside = (num_kept < k) & (last_kept > last)
-            if has_k is not None:
-                ok |= ~has_k & cut_inside
-            else:
-                ok |= cut_inside
-        c = e.cumsum_(dim=-1)
-        target = uniforms.view(-1, 1) * c[:, -1:]
-        idx = torch.searchsorted(c, target, right=True).clamp_(max=k - 1)
-        return ids.gather(1, idx).view(-1), ok
+def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass):
+    """Draw each row from its k largest logits; `ok` says whether that was exact.
+
+    x: [n, V] logits; top_k: [n] int64 | None; top_p, min_p, temperature, uniforms,
+    full_mass (top-p normaliser over the whole row): [n] float32 | None.
+    Returns (tokens [n] int64, ok [n] bool).
+    """
+    n, vocab = x.shape
+    if k >= vocab:
+        # canonical order directly: a stable descending sort keeps ties in id order
+        vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    else:
+        vals, ids = torch.topk(x, k, dim=-1)
+        # canonical tie order: id ascending, then a stable sort by value
+        ids, perm = torch.sort(ids, dim=-1)
+        vals = vals.gather(1, perm)
+        vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, perm)
+    # vals, ids: [n, k], descending; temperature is applied to the candidates only (the
+    # order does not change), so the canonical order is that of the logits.
+    last = vals[:, -1]
+    complete = (last == float("-inf")) | (k >= vocab)  # the candidates hold every finite logit
+    scaled = vals - _finite_or_zero(vals[:, :1])
+    if temperature is not None:
+        scaled = scaled / temperature.view(-1, 1)
+    e = scaled.exp_()  # [n, k] probability / top probability
+    ok = complete
+    if min_p is not None:
+        below = e < min_p.view(-1, 1)
+        # the last candidate is below the min_p cut, so is every token outside them
+        ok = ok | below[:, -1]
+        e.masked_fill_(below, 0.0)
+    has_k = None
+    if top_k is not None:
+        has_k = top_k > 0
+        kth = vals.gather(1, (top_k - 1).clamp(min=0, max=k - 1).view(-1, 1))  # [n, 1]
+        e = e * ((vals >= kth) | ~has_k.view(-1, 1))  # ties with the k-th stay
+        ok = ok | (has_k & (kth.view(-1) > last))
+    if top_p is not None:
+        mass = e.sum(dim=-1)
+        # rows with top-k (or complete ones) renormalise over their candidates
+        inside = complete if has_k is None else (complete | has_k)
+        mass = torch.where(inside, mass, full_mass)
+        before = e.cumsum(dim=-1) - e  # mass ranked strictly above each candidate
+        keep_p = before < (top_p * mass).view(-1, 1)
+        e = e * keep_p
+        # the cut is exact if it falls inside the candidates, strictly above the last value
+        num_kept = keep_p.sum(dim=-1)
+        last_kept = vals.gather(1, (num_kept - 1).clamp(min=0).view(-1, 1)).view(-1)
+        cut_inside = (num_kept < k) & (last_kept > last)
+        ok = ok | (cut_inside if has_k is None else (~has_k & cut_inside))
+    c = e.cumsum_(dim=-1)
+    target = uniforms.view(-1, 1) * c[:, -1:]
+    idx = torch.searchsorted(c, target, right=True).clamp_(max=k - 1)
+    return ids.gather(1, idx).view(-1), ok

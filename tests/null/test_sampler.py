@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from portaserve.framework.engine.params import SamplingParams
-from portaserve.framework.executor.sampler import Sampler, compute_prompt_logprobs
+from portaserve.framework.executor.sampler import Sampler, argmax_rows, compute_prompt_logprobs
 from portaserve.framework.executor.sampling_state import SamplingState, seeded_uniform
 
 EOS = 0
@@ -94,7 +94,7 @@ def special_params() -> list[tuple[SamplingParams, list[int], list[int]]]:
         (SamplingParams(temperature=0, repetition_penalty=1.7), [3, 4, 5, 9], [6, 6, 7, 3]),
         (SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.7), [1, 2], [8, 8, 8, 2, 11]),
         (SamplingParams(temperature=0, repetition_penalty=0.6, frequency_penalty=-0.5,
-                        presence_penalty=-1.0), [10, 12], [12, 13, 13]),
+                        presence_penalty=-1.0), [10, 12, 0], [12, 13, 13, 0]),  # 0 is also the padding id
         (SamplingParams(temperature=0, logit_bias={5: 4.0, 17: -100.0, 2: 1.5}), [], [1]),
         (SamplingParams(temperature=0, allowed_token_ids=[2, 9, 15, 0]), [], []),
         (SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[4, 7]), [], [1, 2]),
@@ -143,6 +143,17 @@ def test_greedy_is_argmax_of_reference_logits_in_a_mixed_batch():
         if p.temperature == 0:
             want = int(torch.argmax(ref_processed(logits[i], p, prompt, outputs)))
             assert int(out.sampled_token_ids[i]) == want, i
+
+
+def test_block_argmax_equals_torch_argmax_with_ties():
+    gen = torch.Generator().manual_seed(2)
+    for vocab in (8192, 10000, 151936 // 8):
+        x = (torch.randn(6, vocab, generator=gen) * 2).round()  # many tied maxima
+        x[1] = float("-inf")
+        x[2, -1] = 100.0  # the maximum in the ragged last block
+        x[3, :] = 1.0
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), vocab
+        assert argmax_rows(x)[1] == 0 and argmax_rows(x)[3] == 0
 
 
 def test_all_greedy_builds_no_tensors():
@@ -227,6 +238,20 @@ def test_support_and_distribution_match_reference(case):
     chi2 = float((((counts - expected) ** 2) / expected)[bins].sum())
     dof = int(bins.sum()) - 1
     assert chi2 < dof + 6 * math.sqrt(2 * max(dof, 1)) + 10, (chi2, dof)
+
+
+def test_top_p_boundary_and_tie_order():
+    """Equal logits: 0.25 each. top_p=0.5 keeps the first two in canonical (id) order, as
+    vLLM drops a token once the mass ranked above it reaches top_p."""
+    vocab = 4
+    params = [SamplingParams(top_p=0.5, seed=s) for s in range(200)]
+    params += [SamplingParams(top_k=1, seed=s) for s in range(50)]
+    params += [SamplingParams(top_p=0.75, seed=s) for s in range(200)]
+    out, _ = one_step(params, torch.zeros(len(params), vocab))
+    toks = out.sampled_token_ids.tolist()
+    assert set(toks[:200]) == {0, 1}
+    assert set(toks[200:250]) == {0, 1, 2, 3}  # top_k keeps every token tied with the k-th
+    assert set(toks[250:]) == {0, 1, 2}
 
 
 def test_unseeded_rows_follow_the_distribution():
