@@ -321,17 +321,22 @@ class Scheduler:
         return self._build_output(step)
 
     def _schedule_running(self, step: _Step) -> bool:
-        bm = self.block_manager
+        allocate = self.block_manager.allocate_slots
         running = self.running
+        num_scheduled = step.num_scheduled
+        step_new_blocks = step.new_blocks
+        budget = step.budget
         preempted = False
         i = 0
-        while i < len(running) and step.budget > 0:
+        while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = bm.allocate_slots(request, num_new)
+            new_blocks = allocate(request, num_new)
             while new_blocks is None:
                 # The victim is at or after index i: never one already scheduled this step.
                 victim = running.pop()
@@ -339,13 +344,15 @@ class Scheduler:
                 preempted = True
                 if victim is request:
                     break
-                new_blocks = bm.allocate_slots(request, num_new)
+                new_blocks = allocate(request, num_new)
             if new_blocks is None:
                 break
-            step.num_scheduled[request.request_id] = num_new
-            step.new_blocks[request.request_id] = new_blocks
-            step.budget -= num_new
+            rid = request.request_id
+            num_scheduled[rid] = num_new
+            step_new_blocks[rid] = new_blocks
+            budget -= num_new
             i += 1
+        step.budget = budget
         return preempted
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -476,6 +483,8 @@ class Scheduler:
         pooled = runner_output.pooler_output
         requests = self.requests
         running_status = RequestStatus.RUNNING
+        sent = self._prompt_logprobs_sent
+        check_stop = self._check_stop
         any_finished = False
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
@@ -483,7 +492,7 @@ class Scheduler:
                 continue  # aborted or finished since it was scheduled
             params = request.sampling_params
             plp = None
-            if params is not None and params.prompt_logprobs is not None and rid not in self._prompt_logprobs_sent:
+            if params is not None and params.prompt_logprobs is not None and rid not in sent:
                 plp = self._collect_prompt_logprobs(request, prompt_logprobs.get(rid))
             if request.pooling_params is not None:
                 embedding = pooled.get(rid)
@@ -504,8 +513,8 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(rid, (), prompt_logprobs=plp, num_cached_tokens=request.num_cached_tokens))
                 continue
             request.output_token_ids.append(token)
-            finished = self._check_stop(request, token)
-            lp = logprobs.get(rid)
+            finished = check_stop(request, token)
+            lp = logprobs.get(rid) if logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     rid,
@@ -549,7 +558,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or len(request.prompt_token_ids) + num_output >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
