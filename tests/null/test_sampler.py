@@ -303,6 +303,30 @@ def test_candidate_stages_give_the_full_sort_result(ties):
         assert want[int(full.sampled_token_ids[i])] > 0, i
 
 
+def test_top_p_cut_on_a_value_tied_beyond_the_candidates():
+    """The cut lands on a value shared by more tokens than the candidate set holds: the
+    kept tied token must be the smallest id (canonical order), not whichever tie topk kept."""
+    vocab = 40
+    gen = torch.Generator().manual_seed(11)
+    rows, supports = [], []
+    for r in range(60):
+        x = torch.full((vocab,), -1.0)
+        perm = torch.randperm(vocab, generator=gen).tolist()
+        top, tied = perm[0], perm[1:5]
+        x[top] = 3.0
+        x[tied] = 2.0
+        rows.append(x)
+        supports.append({top, min(tied)})
+    logits = torch.stack(rows)
+    # masses 1 : 4 x e^-1 : 35 x e^-4 (total 3.11): top_p=0.4 keeps the top and one tied token
+    params = [SamplingParams(top_p=0.4, seed=s) for s in range(60)]
+    out, _ = one_step(params, logits, sampler=Sampler(num_candidates=3))
+    for i, t in enumerate(out.sampled_token_ids.tolist()):
+        want = ref_distribution(ref_processed(logits[i], params[i], [], []), params[i])
+        assert set(torch.nonzero(want).view(-1).tolist()) == supports[i]
+        assert t in supports[i], i
+
+
 def test_inverse_cdf_picks_the_reference_token_for_the_row_uniform():
     """With the uniform known, the drawn token is the reference's canonical-order quantile."""
     vocab = 300
