@@ -1,0 +1,173 @@
+"""TritonAttentionBackend on CPU through the Triton interpreter: the conformance kit's
+attention scenarios (multi-step, NaN-poisoned cache, shuffled blocks, padding tokens
+aimed at live slots, shared prefixes), split-K through the backend, its declared
+capabilities, and the OpImpls of `kernels.ops`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are decorated on import)
+
+import dataclasses  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from portaserve.framework.interfaces import AttentionBatch, AttentionSpec  # noqa: E402
+from portaserve.framework.interfaces.ops import OP_NAMES  # noqa: E402
+from portaserve.framework.testing.attention_checks import default_cases, run_case  # noqa: E402
+from portaserve.kernels import triton_backend  # noqa: E402
+from portaserve.kernels.ops import triton_ops  # noqa: E402
+from portaserve.kernels.triton_backend import TritonAttentionBackend, TritonAttentionMetadata  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_output(monkeypatch):
+    """Every attention output starts as NaN, so a row the kernels skip fails the check."""
+    monkeypatch.setattr(triton_backend, "_new_output", lambda q: torch.full_like(q, float("nan")))
+
+
+#: Scenario kinds run in the half-precision dtypes besides a corner of the mixed grid; the
+#: interpreter is slow, and test_triton_kernels already covers windows and soft caps per dtype.
+_HALF_KINDS = {
+    torch.bfloat16: ("order-", "padding-", "decodes-", "shared-prefix-", "softcap-window-"),
+    torch.float16: ("padding-", "decodes-"),
+}
+
+
+def _kit_cases():
+    """The kit's grid, thinned for the interpreter: all of it in float32; in bf16/fp16 two
+    corners of the mixed grid (GQA 4 at d64/bs16, GQA 8 at d128/bs32) and `_HALF_KINDS`."""
+    cases = []
+    for dtype in DTYPES:
+        for case in default_cases(TritonAttentionBackend, dtype):
+            if dtype is not torch.float32:
+                corner = case.name.endswith(("-bs16-d64-h8kv2", "-bs32-d128-h16kv2"))
+                if not (corner or case.name.startswith(_HALF_KINDS[dtype])):
+                    continue
+            cases.append(case)
+    return cases
+
+
+KIT_CASES = _kit_cases()
+
+
+@pytest.mark.parametrize("case", KIT_CASES, ids=[c.name for c in KIT_CASES])
+def test_conformance_kit(case):
+    result = run_case(TritonAttentionBackend, case, "cpu")
+    if case.name.startswith("encoder-"):
+        assert result.skipped and "encoder" in result.skipped
+        return
+    assert result.skipped is None, result.skipped
+    assert result.errors
+
+
+class _AlwaysSplit(TritonAttentionBackend):
+    """The same backend with each decode step's context cut into 4 splits of 16-key tiles
+    (the kit's contexts are too short for the device heuristic to split them). Prefill
+    steps stay unsplit: the interpreter is slow, and test_triton_kernels covers splits
+    of batches with prefill chunks."""
+
+    def build_metadata(self, batch):
+        meta = super().build_metadata(batch)
+        if batch.max_query_len > 1:
+            return meta
+        return dataclasses.replace(meta, work=dataclasses.replace(meta.work, num_splits=4, block_n=16))
+
+
+SPLIT_CASES = [
+    c for dtype in DTYPES for c in default_cases(TritonAttentionBackend, dtype)
+    if c.name.startswith(("decodes-", "window5-", "shared-prefix-"))
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.name for c in SPLIT_CASES])
+def test_conformance_kit_split_k(case):
+    result = run_case(_AlwaysSplit, case, "cpu")
+    assert result.skipped is None, result.skipped
+
+
+def _spec(**kw) -> AttentionSpec:
+    base = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, dtype=torch.bfloat16)
+    base.update(kw)
+    return AttentionSpec(**base)
+
+
+def test_declared_capabilities():
+    cls = TritonAttentionBackend
+    assert cls.name == "triton"
+    assert cls.platforms == {"cuda", "rocm", "xpu", "cpu"}
+    assert cls.required_features == {"triton"}
+    assert cls.unsupported_reason(_spec(), 16) is None
+    assert cls.unsupported_reason(_spec(head_size=80, sliding_window=128, logits_soft_cap=30.0), 64) is None
+    assert cls.unsupported_reason(_spec(num_heads=32, num_kv_heads=2), 32) is None  # GQA 16
+    assert "head size 48" in cls.unsupported_reason(_spec(head_size=48), 16)
+    assert "block size 8" in cls.unsupported_reason(_spec(), 8)
+    assert "GQA ratio 32" in cls.unsupported_reason(_spec(num_heads=32, num_kv_heads=1), 16)
+    assert "encoder" in cls.unsupported_reason(_spec(causal=False), 16)
+    assert "kv_cache_dtype" in cls.unsupported_reason(_spec(kv_cache_dtype="fp8"), 16)
+    with pytest.raises(ValueError, match="block size 8"):
+        cls(_spec(), 8, torch.device("cpu"))
+
+
+def test_layout_metadata_and_work_split():
+    backend = TritonAttentionBackend(_spec(dtype=torch.float32), 16, torch.device("cpu"))
+    assert backend.kv_cache_shape(7) == (7, 2, 2, 16, 64)
+    assert backend.kv_cache_bytes_per_block() == 2 * 2 * 16 * 64 * 4
+    qsl = torch.tensor([0, 30, 31, 33], dtype=torch.int32)
+    batch = AttentionBatch(
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([30, 80, 9], dtype=torch.int32),
+        block_table=torch.zeros(3, 5, dtype=torch.int32),
+        slot_mapping=torch.arange(36, dtype=torch.int64),
+        max_query_len=30,
+        max_seq_len=80,
+        block_size=16,
+        num_actual_tokens=33,
+    )
+    meta = backend.build_metadata(batch)
+    assert isinstance(meta, TritonAttentionMetadata) and meta.num_actual_tokens == 33
+    assert meta.work.num_tokens == 33
+    # work items: BLOCK_Q = 64 rows / 4 heads = 16 tokens -> seq 0 needs 2, the others 1 each
+    assert meta.work.seq_idx.tolist() == [0, 0, 1, 2]
+    assert meta.work.q_first.tolist() == [0, 16, 0, 0]
+    with pytest.raises(ValueError, match="KV cache is required"):
+        backend.forward(torch.zeros(1, 8, 64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), None, meta)
+
+
+def test_import_needs_no_triton():
+    # The plan imports every backend class to read its capabilities, also where triton is absent.
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from portaserve.kernels.triton_backend import TritonAttentionBackend\n"
+        "from portaserve.kernels.ops import triton_ops\n"
+        "assert TritonAttentionBackend.supported_block_sizes and len(triton_ops()) == 4\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_triton_ops():
+    impls = triton_ops()
+    assert sorted(i.op for i in impls) == sorted(OP_NAMES)
+    for impl in impls:
+        assert impl.name == "triton"
+        assert impl.platforms == {"cuda", "rocm", "xpu"}
+        assert impl.required_features == {"triton"}
+        fn = impl.load()
+        assert callable(fn) and fn.__name__ == impl.op
+    assert {i.platforms for i in triton_ops(frozenset({"xpu"}))} == {frozenset({"xpu"})}
+    # the loaded op runs (through the interpreter here) with the documented signature
+    ops = {i.op: i.load() for i in impls}
+    x = torch.randn(3, 64)
+    w = torch.ones(64)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(ops["rms_norm"](x, w, 1e-6), ref, atol=1e-5)
+    out, residual = ops["fused_add_rms_norm"](x, x, w, 1e-6)
+    assert torch.allclose(residual, 2 * x) and torch.allclose(out, ref, atol=1e-5)
