@@ -3,9 +3,11 @@ chosen over. Run: ``OMP_NUM_THREADS=2 python -m portaserve.platforms.cpu.bench_a
 
 Workloads (Qwen2-0.5B attention shape: 14 heads, 2 KV heads, head 64, block 16):
 - decode: 64 decodes with contexts 100-300 tokens (the common serving step);
-- prefill: 16 prompts of 128 tokens; and a mixed step (one 256-token chunk on a
-  256-token cached prefix + 63 decodes).
-Times are the median of repeated per-layer calls (one `forward`; metadata separately).
+- prefill: 16 prompts of 128 tokens, one of 1024, and a mixed step (a 256-token chunk
+  on a 256-token cached prefix + 63 decodes);
+- encoder: BERT-base shape (12 heads, head 64), equal and varied lengths.
+Alternatives are timed in interleaved rounds; each number is the best round's median
+(ms per layer call), which keeps other processes on the machine from deciding a choice.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,15 +24,30 @@ from portaserve.framework.interfaces import AttentionBatch, AttentionSpec
 from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
 
 
-def _timeit(fn, repeat: int = 30, warmup: int = 3) -> float:
-    for _ in range(warmup):
+def compare(fns: dict[str, Callable[[], object]], rounds: int = 5, repeat: int = 10) -> dict[str, float]:
+    """Best-of-`rounds` median time in ms of each function, rounds interleaved."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
         fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, min(times) * 1e3
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            best[name] = min(best[name], statistics.median(times) * 1e3)
+    return best
+
+
+def _print(results: dict[str, float]) -> None:
+    for name, ms in results.items():
+        print(f"  {name:58s} {ms:8.3f} ms")
+
+
+def _with_groups(tokens: int) -> type[CpuPagedAttentionBackend]:
+    return type(f"Groups{tokens}", (CpuPagedAttentionBackend,), {"decode_group_tokens": tokens})
 
 
 def make_batch(backend, query_lens, seq_lens, seed=0):
@@ -67,160 +85,206 @@ def make_batch(backend, query_lens, seq_lens, seed=0):
     return batch, cache, q, k, v
 
 
-# ----- decode alternatives (all after the K/V write; same gathered rows) -----------------
+# ----- decode alternatives, on one padded group (the gathered rows are the backend's) --------
 
 
-def decode_gather_float_matmul(backend, md, q, table):
-    """Gather once, upcast to float32, grouped matmul + softmax (the backend's path for fp32)."""
-    nd, hkv, g, d, L = md.num_decodes, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, md.decode_kv_len
-    kv = table.index_select(0, md.decode_rows).view(2, nd, hkv, L, d).float()
-    s = torch.matmul(q[:nd].reshape(nd, hkv, g, d).float(), kv[0].transpose(-1, -2)).mul_(backend.spec.scale)
-    s.add_(md.decode_mask)
-    return torch.matmul(torch.softmax(s, -1), kv[1]).view(nd, -1, d)
+def _one_group(backend, batch):
+    md = _with_groups(1 << 30)(backend.spec, backend.block_size, backend.device).build_metadata(batch)
+    (group,) = md.decode_groups
+    return group
 
 
-def decode_gather_native_matmul(backend, md, q, table):
-    """Gather once, matmul in the cache dtype, softmax in float32."""
-    nd, hkv, g, d, L = md.num_decodes, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, md.decode_kv_len
-    kv = table.index_select(0, md.decode_rows).view(2, nd, hkv, L, d)
-    s = torch.matmul(q[:nd].reshape(nd, hkv, g, d), kv[0].transpose(-1, -2)).float().mul_(backend.spec.scale)
-    s.add_(md.decode_mask)
-    p = torch.softmax(s, -1).to(q.dtype)
-    return torch.matmul(p, kv[1]).view(nd, -1, d)
+def decode_native_matmul(backend, g, q, table):
+    """Grouped matmul in the cache dtype (no float32 copy of K/V), softmax in float32."""
+    n, hkv, r, d, L = g.num_seqs, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, g.kv_len
+    kv = table.index_select(0, g.rows).view(2, n, hkv, L, d)
+    qd = q.index_select(0, g.token_idx).view(n, hkv, r, d) * backend.spec.scale
+    s = torch.matmul(qd, kv[0].transpose(-1, -2)).float() + g.mask
+    return torch.matmul(torch.softmax(s, -1).to(q.dtype), kv[1]).view(n, -1, d)
 
 
-def decode_gather_sdpa(backend, md, q, table):
-    """Gather once, then one padded SDPA call with a float mask and enable_gqa."""
-    nd, hkv, d, L = md.num_decodes, backend.num_kv_heads, backend.head_size, md.decode_kv_len
-    kv = table.index_select(0, md.decode_rows).view(2, nd, hkv, L, d)
-    qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, d]
-    mask = md.decode_mask.to(q.dtype)
+def decode_padded_sdpa(backend, g, q, table):
+    """One padded SDPA call (float mask, enable_gqa) in the cache dtype."""
+    n, hkv, d, L = g.num_seqs, backend.num_kv_heads, backend.head_size, g.kv_len
+    kv = table.index_select(0, g.rows).view(2, n, hkv, L, d)
+    qd = q.index_select(0, g.token_idx).unsqueeze(2)  # [n, heads, 1, d]
+    mask = g.mask.to(q.dtype)
     o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=mask, scale=backend.spec.scale, enable_gqa=True)
-    return o.view(nd, -1, d)
+    return o.view(n, -1, d)
 
 
-def decode_repeat_kv_bmm(backend, md, q, table):
-    """Baseline: repeat K/V per query head (what grouping avoids)."""
-    nd, hkv, g, d, L = md.num_decodes, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, md.decode_kv_len
-    kv = table.index_select(0, md.decode_rows).view(2, nd, hkv, L, d).float()
-    keys = kv[0].repeat_interleave(g, dim=1)
-    values = kv[1].repeat_interleave(g, dim=1)
-    s = torch.matmul(q[:nd].float().unsqueeze(2), keys.transpose(-1, -2)).mul_(backend.spec.scale)
-    s.add_(md.decode_mask)
-    return torch.matmul(torch.softmax(s, -1), values).view(nd, -1, d)
+def decode_repeat_kv(backend, g, q, table):
+    """float32 matmul with K/V repeated per query head (what grouping query heads avoids)."""
+    n, hkv, r, d, L = g.num_seqs, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, g.kv_len
+    kv = table.index_select(0, g.rows).view(2, n, hkv, L, d).float()
+    keys, values = kv[0].repeat_interleave(r, dim=1), kv[1].repeat_interleave(r, dim=1)
+    qd = q.index_select(0, g.token_idx).float().unsqueeze(2) * backend.spec.scale
+    s = torch.matmul(qd, keys.transpose(-1, -2)) + g.mask
+    return torch.matmul(torch.softmax(s, -1), values).view(n, -1, d)
 
 
-def decode_per_seq_sdpa(backend, md, q, table, lens, rows_per_seq):
-    """Baseline: a Python loop over sequences with one SDPA each."""
+def decode_seq_loop(backend, q, table, lens, rows_per_seq):
+    """A Python loop over sequences, one unpadded SDPA each."""
     d, hkv = backend.head_size, backend.num_kv_heads
     outs = []
     for i, (L, rows) in enumerate(zip(lens, rows_per_seq)):
         kv = table.index_select(0, rows).view(2, 1, hkv, L, d)
-        outs.append(
-            F.scaled_dot_product_attention(q[i : i + 1].unsqueeze(2), kv[0], kv[1], scale=backend.spec.scale, enable_gqa=True)
-        )
+        qi = q[i : i + 1].unsqueeze(2)
+        outs.append(F.scaled_dot_product_attention(qi, kv[0], kv[1], scale=backend.spec.scale, enable_gqa=True))
     return torch.cat(outs).view(len(lens), -1, d)
 
 
-def bench_decode(dtype, threads: int) -> None:
+def bench_decode(dtype) -> None:
     spec = AttentionSpec(14, 2, 64, 0.125, dtype)
     backend = CpuPagedAttentionBackend(spec, 16, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(100, 301, (64,), generator=gen).tolist()
     batch, cache, q, k, v = make_batch(backend, [1] * 64, lens)
-    md = backend.build_metadata(batch)
     table = cache.view(-1, spec.head_size)
-    # per-sequence rows for the loop baseline
-    rows_per_seq = []
-    for i, L in enumerate(lens):
-        r = md.decode_rows.view(2, 64, 2, -1)[:, i, :, :L]
-        rows_per_seq.append(r.reshape(-1).contiguous())
-    ref = decode_gather_float_matmul(backend, md, q, table).float()
-    results = {
-        "build_metadata": _timeit(lambda: backend.build_metadata(batch)),
-        "forward (backend: write + attend)": _timeit(lambda: backend.forward(q, k, v, cache, md)),
-        "  write only (2x index_copy_)": _timeit(
-            lambda: (table.index_copy_(0, md.write_rows[0], k.reshape(-1, 64)), table.index_copy_(0, md.write_rows[1], v.reshape(-1, 64)))
-        ),
-        "  gather only (index_select)": _timeit(lambda: table.index_select(0, md.decode_rows)),
-    }
-    variants = {
-        "gather + fp32 grouped matmul": decode_gather_float_matmul,
-        "gather + native grouped matmul": decode_gather_native_matmul,
-        "gather + padded SDPA (gqa)": decode_gather_sdpa,
-        "gather + repeat_kv fp32 matmul": decode_repeat_kv_bmm,
-    }
-    for name, fn in variants.items():
-        err = (fn(backend, md, q, table).float() - ref).norm() / ref.norm()
-        results[f"{name} (rel err {err:.1e})"] = _timeit(lambda fn=fn: fn(backend, md, q, table))
-    results["loop over seqs, SDPA each"] = _timeit(
-        lambda: decode_per_seq_sdpa(backend, md, q, table, lens, rows_per_seq), repeat=10
-    )
     kv_bytes = sum(lens) * 2 * 2 * 64 * cache.element_size()
-    print(f"\n== decode: 64 seqs, ctx 100-300 (sum {sum(lens)}), 14/2 heads, d64, bs16, {dtype}, {threads} threads; KV read {kv_bytes / 1e6:.1f} MB")
-    for name, ms in results.items():
-        print(f"  {name:55s} {ms:8.3f} ms")
+    print(f"\n== decode: 64 seqs, ctx 100-300 (sum {sum(lens)}), 14/2 heads, d64, bs16, {dtype}; KV {kv_bytes / 1e6:.1f} MB")
+
+    md = backend.build_metadata(batch)
+    fns: dict[str, Callable] = {"build_metadata (once per step)": lambda: backend.build_metadata(batch)}
+    for tokens in (1 << 30, 8192, 4096, 2048, 1024):
+        cls = _with_groups(tokens)
+        b = cls(spec, 16, backend.device)
+        m = b.build_metadata(batch)
+        label = "one group" if tokens == 1 << 30 else f"groups of <= {tokens} keys"
+        mark = " (default)" if tokens == CpuPagedAttentionBackend.decode_group_tokens else ""
+        fns[f"forward, {label} ({len(m.decode_groups)}){mark}"] = lambda b=b, m=m: b.forward(q, k, v, cache, m)
+    fns["  of which: write (2 x index_copy_)"] = lambda: (
+        table.index_copy_(0, md.write_rows[0], k.reshape(-1, 64)),
+        table.index_copy_(0, md.write_rows[1], v.reshape(-1, 64)),
+    )
+    fns["  of which: gather (index_select per group)"] = lambda: [table.index_select(0, g.rows) for g in md.decode_groups]
+    _print(compare(fns))
+
+    g = _one_group(backend, batch)
+    ref = backend.forward(q, k, v, cache, md).float()
+    order = g.token_idx
+    rows4 = g.rows.view(2, g.num_seqs, 2, g.kv_len)
+    glens = [lens[int(i)] for i in order]
+    rows_per_seq = [rows4[:, i, :, :L].reshape(-1).contiguous() for i, L in enumerate(glens)]
+    q_sorted = q.index_select(0, order)
+    alts = {
+        "alt, one group: matmul in cache dtype": lambda: decode_native_matmul(backend, g, q, table),
+        "alt, one group: padded SDPA (enable_gqa)": lambda: decode_padded_sdpa(backend, g, q, table),
+        "alt, one group: float32 matmul, repeated K/V": lambda: decode_repeat_kv(backend, g, q, table),
+        "alt: loop over sequences, SDPA each": lambda: decode_seq_loop(backend, q_sorted, table, glens, rows_per_seq),
+    }
+    results = compare(alts, rounds=3, repeat=5)
+    for name, fn in alts.items():
+        out = fn().float()
+        if "loop" in name:
+            out = torch.empty_like(out).index_copy_(0, order, out)
+        else:
+            out = torch.empty_like(out).index_copy_(0, order, out)
+        err = float((out - ref).norm() / ref.norm())
+        print(f"  {name:58s} {results[name]:8.3f} ms  (rel. diff {err:.1e})")
 
 
-# ----- prefill alternatives -----------------------------------------------------------------
+# ----- prefill alternatives ------------------------------------------------------------------
 
 
-def bench_prefill(dtype, threads: int) -> None:
+def bench_prefill(dtype) -> None:
     spec = AttentionSpec(14, 2, 64, 0.125, dtype)
     backend = CpuPagedAttentionBackend(spec, 16, torch.device("cpu"))
-    print(f"\n== prefill / mixed, 14/2 heads, d64, bs16, {dtype}, {threads} threads")
+    print(f"\n== prefill / mixed, 14/2 heads, d64, bs16, {dtype}")
     for label, qls, sls in (
-        ("16 prompts x 128 tokens", [128] * 16, [128] * 16),
-        ("1 prompt x 1024 tokens", [1024], [1024]),
-        ("256-token chunk on 256 cached + 63 decodes", [1] * 63 + [256], [200] * 63 + [512]),
+        ("16 prompts x 128", [128] * 16, [128] * 16),
+        ("1 prompt x 1024", [1024], [1024]),
+        ("256 chunk on 256 cached + 63 decodes", [1] * 63 + [256], [200] * 63 + [512]),
     ):
         batch, cache, q, k, v = make_batch(backend, qls, sls)
         md = backend.build_metadata(batch)
-        t_md = _timeit(lambda: backend.build_metadata(batch), repeat=10)
-        t_fwd = _timeit(lambda: backend.forward(q, k, v, cache, md), repeat=10)
-        print(f"  {label:45s} metadata {t_md:7.3f} ms   forward {t_fwd:8.3f} ms")
-        if len(set(qls)) == 1 and qls[0] == sls[0] and len(qls) > 1:
-            # alternative: one batched causal SDPA over the equal-length prompts
-            n, ql = len(qls), qls[0]
+        fns: dict[str, Callable] = {
+            f"{label}: build_metadata": lambda: backend.build_metadata(batch),
+            f"{label}: forward (backend)": lambda: backend.forward(q, k, v, cache, md),
+        }
+        n, ql = len(qls), qls[-1]
+        if qls[0] == sls[0]:
             qb = q.view(n, ql, 14, 64).transpose(1, 2)
             kb = k.view(n, ql, 2, 64).transpose(1, 2)
             vb = v.view(n, ql, 2, 64).transpose(1, 2)
-            t_b = _timeit(
-                lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=0.125, enable_gqa=True), repeat=10
+            sdpa = F.scaled_dot_product_attention
+            fns[f"{label}: alt SDPA float32 upcast"] = lambda: sdpa(
+                qb.float(), kb.float(), vb.float(), is_causal=True, scale=0.125, enable_gqa=True
             )
-            print(f"  {'  alt: one batched causal SDPA (no gather)':45s} {'':21s} {t_b:8.3f} ms")
+            fns[f"{label}: alt SDPA contiguous inputs"] = lambda: sdpa(
+                qb.contiguous(), kb.contiguous(), vb.contiguous(), is_causal=True, scale=0.125, enable_gqa=True
+            )
+            fns[f"{label}: alt SDPA with K/V repeated per head"] = lambda: sdpa(
+                qb, kb.repeat_interleave(7, 1), vb.repeat_interleave(7, 1), is_causal=True, scale=0.125
+            )
+            mask = torch.ones(ql, ql, dtype=torch.bool).tril()
+            fns[f"{label}: alt SDPA with an explicit causal mask"] = lambda: sdpa(
+                qb, kb, vb, attn_mask=mask, scale=0.125, enable_gqa=True
+            )
+            if n > 1:
+                fns[f"{label}: alt loop over prompts"] = lambda: [
+                    sdpa(qb[i : i + 1], kb[i : i + 1], vb[i : i + 1], is_causal=True, scale=0.125, enable_gqa=True)
+                    for i in range(n)
+                ]
+        _print(compare(fns, rounds=3, repeat=3))
 
 
-def bench_encoder(dtype, threads: int) -> None:
+def bench_encoder(dtype) -> None:
     spec = AttentionSpec(12, 12, 64, 0.125, dtype, causal=False)
     backend = CpuPagedAttentionBackend(spec, 16, torch.device("cpu"))
-    print(f"\n== encoder (BERT-base shape 12 heads d64), {dtype}, {threads} threads")
-    for label, lens in (("32 x 128 tokens (equal)", [128] * 32), ("32 seqs, 16-128 tokens", list(range(16, 129, 4))[:32])):
+    print(f"\n== encoder (BERT-base: 12 heads, d64), {dtype}")
+    for label, lens in (("32 x 128 (equal)", [128] * 32), ("32 seqs of 16..140", list(range(16, 144, 4)))):
         n = sum(lens)
         qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
-        batch = AttentionBatch(qsl, torch.tensor(lens, dtype=torch.int32), torch.zeros(len(lens), 1, dtype=torch.int32),
-                               torch.zeros(n, dtype=torch.int64), max(lens), max(lens), 16, n)
+        batch = AttentionBatch(
+            qsl,
+            torch.tensor(lens, dtype=torch.int32),
+            torch.zeros(len(lens), 1, dtype=torch.int32),
+            torch.zeros(n, dtype=torch.int64),
+            max(lens),
+            max(lens),
+            16,
+            n,
+        )
         q, k, v = (torch.randn(n, 12, 64).to(dtype) for _ in range(3))
         md = backend.build_metadata(batch)
-        t = _timeit(lambda: backend.forward(q, k, v, None, md), repeat=10)
-        print(f"  {label:45s} forward {t:8.3f} ms")
+        fns: dict[str, Callable] = {f"{label}: forward (backend)": lambda: backend.forward(q, k, v, None, md)}
+        if len(set(lens)) > 1:
+            # alternative: pad into one batch with a key-padding mask
+            width = max(lens)
+            seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+            offs = torch.arange(n) - qsl[:-1].long()[seq]
+            valid = torch.arange(width) < torch.tensor(lens).unsqueeze(1)
+            mask = valid[:, None, None, :]
+
+            def padded():
+                buf = q.new_zeros(3, len(lens), width, 12, 64)
+                buf[:, seq, offs] = torch.stack([q, k, v])
+                o = F.scaled_dot_product_attention(*(buf[i].transpose(1, 2) for i in range(3)), attn_mask=mask, scale=0.125)
+                return o.transpose(1, 2)[seq, offs]
+
+            fns[f"{label}: alt padded batch + key mask"] = padded
+        _print(compare(fns, rounds=3, repeat=3))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=["decode", "prefill", "encoder"], default=None)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], action="append")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16", "float32"])]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     with torch.inference_mode():
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in dtypes:
             if args.only in (None, "decode"):
-                bench_decode(dtype, args.threads)
+                bench_decode(dtype)
             if args.only in (None, "prefill"):
-                bench_prefill(dtype, args.threads)
+                bench_prefill(dtype)
             if args.only in (None, "encoder"):
-                bench_encoder(dtype, args.threads)
+                bench_encoder(dtype)
 
 
 if __name__ == "__main__":
