@@ -123,6 +123,21 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return start + vals.argmax(dim=-1)
 
 
+_RANK_TOP = 8
+
+
+def _count_at_least(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """#(x >= value) per row. x: [N, V] float32, value: [N, 1] -> [N] int64."""
+    if not bool(torch.isfinite(value).all()):
+        return (x >= value).sum(dim=-1)
+    # float signs rather than a bool sum (which converts [N, V] to int64 on the CPU):
+    # sum(sign) = #greater - #less and sum(|sign|) = #greater + #less, both exact.
+    sign = torch.sign(x - value)
+    diff = sign.sum(dim=-1)
+    unequal = sign.abs_().sum(dim=-1)
+    return (x.shape[1] - (unequal - diff) * 0.5).round_().long()
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
                    scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Raw logprobs of `token_ids`, their ranks, and the top-k (ids, logprobs), on the CPU.
@@ -140,22 +155,19 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
     lse = m + torch.sub(x, m, out=buf).exp_().sum(dim=-1, keepdim=True).log_()  # [N, 1]
     picked = x.gather(1, token_ids.view(-1, 1).long())  # [N, 1]
     # rank = #(x >= picked), comparing raw logits (x - lse is monotone: the exact order).
-    if bool(torch.isfinite(picked).all()):
-        # float signs instead of a bool sum (which converts [N, V] to int64 on the CPU):
-        # sum(sign) = #greater - #less, sum(|sign|) = #greater + #less; both exact.
-        sign = torch.sub(x, picked, out=buf).sign_()
-        diff = sign.sum(dim=-1)
-        unequal = sign.abs_().sum(dim=-1)
-        rank = (vocab - (unequal - diff) * 0.5).round_().long()
-    else:
-        rank = (x >= picked).sum(dim=-1)
-    if k > 0:
-        top_vals, top_ids = torch.topk(x, min(k, vocab), dim=-1)
-        top_lp = top_vals - lse
-    else:
-        top_ids = torch.zeros(num_rows, 0, dtype=torch.int64, device=x.device)
-        top_lp = torch.zeros(num_rows, 0, dtype=torch.float32, device=x.device)
+    # A few more top entries than asked give it directly when the token is above the
+    # last of them (every token >= it is then among them); other rows count the row.
+    num_top = min(max(k, _RANK_TOP) + 1, vocab)
+    top_vals, top_ids = torch.topk(x, num_top, dim=-1)  # [N, num_top]
+    rank = (top_vals >= picked).sum(dim=-1)
+    outside = (picked.view(-1) <= top_vals[:, -1]) & (num_top < vocab)
+    if bool(outside.any()):
+        rows = outside.nonzero().view(-1)
+        rank[rows] = _count_at_least(x.index_select(0, rows), picked.index_select(0, rows))
+    top_lp = top_vals[:, :k] - lse
+    top_ids = top_ids[:, :k].contiguous()
     return (picked - lse).view(-1).cpu(), rank.cpu(), top_ids.cpu(), top_lp.cpu()
+
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """Prompt logprobs of one chunk of positions: row i's logits scored against target i.
@@ -289,9 +301,12 @@ class Sampler:
         # x: [n, V]
         n, vocab = x.shape
         m = _finite_or_zero(x.amax(dim=-1, keepdim=True))
-        e = torch.sub(x, m, out=self._ws.get("tmp", n, vocab, x.device))
-        if group.temperature is not None:
-            e.div_(group.temperature.view(-1, 1))
+        buf = self._ws.get("tmp", n, vocab, x.device)
+        if group.temperature is None:
+            e = torch.sub(x, m, out=buf)
+        else:  # (x - m) / T in one pass
+            inv_t = group.temperature.reciprocal().view(-1, 1)
+            e = torch.addcmul(-m * inv_t, x, inv_t, out=buf)
         e.exp_()  # [n, V] probability / top probability
         if group.min_p is not None:
             e.masked_fill_(e < group.min_p.view(-1, 1), 0.0)
@@ -309,18 +324,7 @@ class Sampler:
         if top_k is not None and max_top_k >= vocab:  # top_k >= vocabulary keeps everything
             top_k = torch.where(top_k >= vocab, torch.zeros_like(top_k), top_k)
             max_top_k = int(top_k.max())
-        full_mass = None
-        if group.top_p is not None:
-            # top-p without top-k renormalises over the whole (min_p-filtered) vocabulary
-            m = _finite_or_zero(x.amax(dim=-1, keepdim=True))
-            e = torch.sub(x, m, out=self._ws.get("tmp", n, vocab, x.device))
-            if group.temperature is not None:
-                e.div_(group.temperature.view(-1, 1))
-            e.exp_()
-            if group.min_p is not None:
-                e.masked_fill_(e < group.min_p.view(-1, 1), 0.0)
-            full_mass = e.sum(dim=-1)  # [n]
-        params = (top_k, group.top_p, group.min_p, group.temperature, group.uniforms, full_mass)
+        params = (top_k, group.top_p, group.min_p, group.temperature, group.uniforms)
         size = max(self.num_candidates, max_top_k + 1)
         out = torch.empty(n, dtype=torch.int64, device=x.device)
         rows = None  # None: every row of x
@@ -348,11 +352,11 @@ class Sampler:
             size *= CANDIDATE_GROWTH
 
 
-def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass):
+def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms):
     """Draw each row from its k largest logits; `ok` says whether that was exact.
 
-    x: [n, V] logits; top_k: [n] int64 | None; top_p, min_p, temperature, uniforms,
-    full_mass (top-p normaliser over the whole row): [n] float32 | None.
+    x: [n, V] logits; top_k: [n] int64 | None; top_p, min_p, temperature, uniforms:
+    [n] float32 | None.
     Returns (tokens [n] int64, ok [n] bool).
     """
     n, vocab = x.shape
@@ -387,17 +391,22 @@ def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass
         e = e * ((vals >= kth) | ~has_k.view(-1, 1))  # ties with the k-th stay
         ok = ok | (has_k & (kth.view(-1) > last))
     if top_p is not None:
+        # Top-p without top-k renormalises over the whole vocabulary. The tokens outside
+        # the candidates weigh at most (V - k) x the last candidate's weight, so the cut is
+        # computed for both ends of that range; where they agree, it is the exact cut.
         mass = e.sum(dim=-1)
-        # rows with top-k (or complete ones) renormalise over their candidates
         inside = complete if has_k is None else (complete | has_k)
-        mass = torch.where(inside, mass, full_mass)
+        tail = torch.where(inside, torch.zeros_like(mass), (vocab - k) * e[:, -1])
         before = e.cumsum(dim=-1) - e  # mass ranked strictly above each candidate
         keep_p = before < (top_p * mass).view(-1, 1)
-        e = e * keep_p
-        # the cut is exact if it falls inside the candidates, strictly above the last value
+        num_lo = keep_p.sum(dim=-1)
+        keep_p = before < (top_p * (mass + tail)).view(-1, 1)
         num_kept = keep_p.sum(dim=-1)
+        e = e * keep_p
+        # exact if both ends agree and the cut falls inside the candidates, strictly
+        # above the last value (no tie of the last kept token lies outside)
         last_kept = vals.gather(1, (num_kept - 1).clamp(min=0).view(-1, 1)).view(-1)
-        cut_inside = (num_kept < k) & (last_kept > last)
+        cut_inside = (num_lo == num_kept) & (num_kept < k) & (last_kept > last)
         ok = ok | (cut_inside if has_k is None else (~has_k & cut_inside))
     c = e.cumsum_(dim=-1)
     target = uniforms.view(-1, 1) * c[:, -1:]

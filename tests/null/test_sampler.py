@@ -473,6 +473,15 @@ def test_rank_counts_ties_against_the_token():
     out, _ = one_step([SamplingParams(temperature=0, logprobs=2, logit_bias={2: 1.0})], logits)
     assert int(out.sampled_token_ids[0]) == 2
     assert int(out.ranks[0]) == 2  # tied with token 1: both are >= it
+    # a token tied with many more tokens than the top entries hold
+    logits = torch.zeros(2, 30)
+    logits[:, 3] = 5.0
+    params = [SamplingParams(temperature=0, logprobs=1, logit_bias={10: 20.0}),
+              SamplingParams(temperature=0, logprobs=1, logit_bias={10: 20.0}, allowed_token_ids=[10, 3])]
+    out, _ = one_step(params, logits)
+    assert out.sampled_token_ids.tolist() == [10, 10]
+    assert out.ranks.tolist() == [30, 30]
+    assert out.top_token_ids[:, 0].tolist() == [3, 3]
 
 
 def test_prompt_logprobs_match_reference_and_chunk():
