@@ -43,8 +43,8 @@ class EngineSpec:
 
 def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> EngineSpec:
     """Resolve plugins, platform, checkpoint and plan for `config`."""
-    registry = registry or get_registry(strict=config.strict_plugins)
-    choice = choose_platform(registry, config.device, strict=config.strict_plugins)
+    registry = registry or get_registry(strict=config.strict_plugins or None)
+    choice = choose_platform(registry, config.device, strict=config.strict_plugins or None)  # None: PORTASERVE_STRICT_PLUGINS decides
     if config.model is None:
         model_path = ensure_demo_checkpoint()
     else:
