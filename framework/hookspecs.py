@@ -1,8 +1,9 @@
 """The portaserve hook contract: every hook a plugin may implement.
 
-This module is the public API of the project. A plugin is a module, named by an entry
-point in the group ``portaserve.platforms`` (platforms) or ``portaserve.plugins``
-(components only), that
+This module is the public API of the project. A plugin is a module (or an object in
+one, for an entry point written ``"package.module:attr"``), named by an entry point in
+the group ``portaserve.platforms`` (platforms) or ``portaserve.plugins`` (components
+only), that
 
 - sets ``PORTASERVE_CONTRACT = "<major>.<minor>"``, the contract version it was built
   for: the loader accepts it when the major versions are equal and the plugin's minor

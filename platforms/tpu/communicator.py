@@ -24,6 +24,11 @@ class XlaCommunicator(Communicator):
     name = "xla"
     platforms = frozenset({"tpu"})
 
+    def __init__(self, rank, world_size, device, init_method=None, group=None, timeout_s: float = 600.0) -> None:
+        # The same signature as TorchDistributedCommunicator's; PJRT does the rendezvous
+        # (the executor starts one process per chip), so init_method and group are unused.
+        super().__init__(rank, world_size, device)
+
     def _reduce_type(self, op: str) -> str:
         xm = _xm()
         return {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN, "product": xm.REDUCE_MUL}[op]
