@@ -1,0 +1,100 @@
+"""The synchronous, in-process engine: input processor + engine core + output processor.
+
+`LLM` drives it for offline batches; the server runs the same core in its own process
+behind an async client instead (see `core_client`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from portaserve.framework.config import EngineConfig
+from portaserve.framework.engine.core import EngineCore
+from portaserve.framework.engine.output_processor import OutputProcessor
+from portaserve.framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from portaserve.framework.engine.params import PoolingParams, SamplingParams
+from portaserve.framework.engine.processor import InputProcessor
+from portaserve.framework.engine.startup import EngineSpec, resolve_engine
+from portaserve.framework.errors import invalid
+
+logger = logging.getLogger("portaserve")
+
+
+def load_tokenizer(spec: EngineSpec):
+    if spec.config.skip_tokenizer_init:
+        return None
+    from portaserve.framework.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(spec.tokenizer_path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, spec: EngineSpec | None = None) -> None:
+        self.config = config
+        self.spec = spec or resolve_engine(config)
+        logger.info("%s", self.spec.plan)
+        self.tokenizer = load_tokenizer(self.spec)
+        self.processor = InputProcessor(self.spec, self.tokenizer)
+        self.core = EngineCore(self.spec)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def plan(self):
+        return self.spec.plan
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | PoolingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if self.output_processor.has_request(request_id):
+            raise invalid("request_id", f"{request_id!r} is already in flight")
+        processed = self.processor.process(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time
+        )
+        self.output_processor.add_request(processed)
+        try:
+            for child in processed.children:
+                self.core.add_request(child)
+        except Exception:
+            self.core.abort_requests([c.request_id for c in processed.children])
+            self.output_processor.abort_request(request_id)
+            raise
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            children = self.output_processor.child_ids(rid)
+            if children:
+                self.core.abort_requests(children)
+                self.output_processor.abort_request(rid)
+
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        core_outputs = self.core.step()
+        outputs, to_finish = self.output_processor.process_outputs(core_outputs)
+        if to_finish:
+            self.core.finish_requests(to_finish)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or bool(self.output_processor.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def stats(self):
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
