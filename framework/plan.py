@@ -83,17 +83,17 @@ class ExecutionPlan:
     def __str__(self) -> str:
         lines = [
             "ExecutionPlan",
-            f"  device            {self.device.describe()}",
-            f"  dtype             {self.dtype}",
-            f"  kv cache          dtype={self.kv_cache_dtype} block_size={self.block_size}",
-            f"  tensor parallel   {self.tensor_parallel_size}",
+            f"  device              {self.device.describe()}",
+            f"  dtype               {self.dtype}",
+            f"  kv cache            dtype={self.kv_cache_dtype} block_size={self.block_size}",
+            f"  tensor parallel     {self.tensor_parallel_size}",
         ]
         for label, choice in self.choices():
-            lines.append(f"  {label:<18}{choice.name}  ({choice.reason})")
+            lines.append(f"  {label:<20}{choice.name}  ({choice.reason})")
             for cand, why in choice.rejected:
-                lines.append(f"  {'':<18}  not {cand}: {why}")
+                lines.append(f"  {'':<20}  not {cand}: {why}")
         if self.custom_ops:
-            lines.append("  ops               " + ", ".join(f"{op}={impl}" for op, impl in self.custom_ops))
+            lines.append("  ops                 " + ", ".join(f"{op}={impl}" for op, impl in self.custom_ops))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
