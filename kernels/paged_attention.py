@@ -385,8 +385,9 @@ def paged_attention(
         NUM_SPLITS=splits,
         SLIDING=sliding_window is not None,
         SOFT_CAP=soft_cap is not None,
-        # fp32 must not silently drop to tf32 (the CUDA default); fp16/bf16 ignore this
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # fp32 must not silently drop to tf32 (the CUDA default); fp16/bf16 keep the
+        # backend's default (None), since e.g. ROCm accepts "tf32" only on some chips
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=4 if work.block_m <= 16 else 8 if head_pad > 128 else 4,
     )
     if splits > 1:

@@ -1,0 +1,67 @@
+"""portaserve bench BENCHMARK: benchmarks.
+
+Each benchmark is one `Benchmark` in `BENCHMARKS`: its name, one-line help, a function
+adding its options, and the "module:function" that runs it, imported only when that
+benchmark runs (so building the CLI imports no kernels, triton or vendor SDK). Adding
+one (throughput, latency, serve) is one entry and one options function here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Benchmark:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    #: "module:function" called with the parsed args; returns the exit code
+    main: str
+
+
+def _kernels_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="torch device to time on (default: the current accelerator)")
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="activation and KV dtype (default bfloat16)"
+    )
+    p.add_argument("--iters", type=int, default=None, help="timed calls per kernel (default 100; 1 under the interpreter)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; 1 under the interpreter)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "kernels",
+        "time each Triton kernel on the current device (GB/s and TFLOP/s against the measured copy and matmul rates); "
+        "without a GPU, TRITON_INTERPRET=1 gives a smoke run on tiny shapes",
+        _kernels_arguments,
+        "portaserve.kernels.bench:main",
+    ),
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks (kernels)", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    for bench in BENCHMARKS:
+        bp = sub.add_parser(bench.name, help=bench.help, description=bench.help)
+        bench.add_arguments(bp)
+        bp.set_defaults(func=_runner(bench.main))
+
+    def no_benchmark(_args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=no_benchmark)
+
+
+def _runner(target: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from portaserve.framework.plugins import import_object
+
+        return int(import_object(target)(args) or 0)
+
+    return run
