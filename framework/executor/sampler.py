@@ -324,40 +324,57 @@ class Sampler:
         if top_k is not None and max_top_k >= vocab:  # top_k >= vocabulary keeps everything
             top_k = torch.where(top_k >= vocab, torch.zeros_like(top_k), top_k)
             max_top_k = int(top_k.max())
-        params = (top_k, group.top_p, group.min_p, group.temperature, group.uniforms)
         size = max(self.num_candidates, max_top_k + 1)
         out = torch.empty(n, dtype=torch.int64, device=x.device)
-        rows = None  # None: every row of x
+        rows = torch.arange(n, device=x.device)
+        # exact top-p normalisers, NaN until a row's tail-mass bounds leave its cut open
+        full_mass = torch.full((n,), float("nan"), device=x.device) if group.top_p is not None else None
         while True:
             k = min(size, vocab)
-            if rows is None:
-                xs, sub = x, params
-            else:
-                xs = x.index_select(0, rows)
-                sub = tuple(None if t is None else t.index_select(0, rows) for t in params)
-            tokens, ok = _draw_candidates(xs, k, *sub)
-            if k == vocab:
-                ok = None
-            if rows is None and ok is None:
-                return tokens
-            if rows is None:
-                rows = torch.arange(n, device=x.device)
-            if ok is None:
+            every = rows.numel() == n
+            xs = x if every else x.index_select(0, rows)
+            sub = [None if t is None else (t if every else t.index_select(0, rows))
+                   for t in (top_k, group.top_p, group.min_p, group.temperature, group.uniforms, full_mass)]
+            tokens, ok, unsure = _draw_candidates(xs, k, *sub)
+            if full_mass is not None and bool(unsure.any()):
+                redo = unsure.nonzero().view(-1)
+                xr = xs.index_select(0, redo)
+                rsub = [None if t is None else t.index_select(0, redo) for t in sub]
+                rsub[5] = self._full_mass(xr, rsub[2], rsub[3])
+                full_mass[rows[redo]] = rsub[5]
+                tokens[redo], ok[redo], _ = _draw_candidates(xr, k, *rsub)
+            if k == vocab or bool(ok.all()):
                 out[rows] = tokens
                 return out
             out[rows[ok]] = tokens[ok]
             rows = rows[~ok]
-            if rows.numel() == 0:
-                return out
             size *= CANDIDATE_GROWTH
 
+    def _full_mass(self, x: torch.Tensor, min_p: torch.Tensor | None,
+                   temperature: torch.Tensor | None) -> torch.Tensor:
+        """sum_v exp((x_v - max) / T) over the min_p survivors: the top-p normaliser. -> [n]"""
+        n, vocab = x.shape
+        m = _finite_or_zero(x.amax(dim=-1, keepdim=True))
+        buf = self._ws.get("tmp", n, vocab, x.device)
+        if temperature is None:
+            e = torch.sub(x, m, out=buf)
+        else:
+            inv_t = temperature.reciprocal().view(-1, 1)
+            e = torch.addcmul(-m * inv_t, x, inv_t, out=buf)
+        e.exp_()
+        if min_p is not None:
+            e.masked_fill_(e < min_p.view(-1, 1), 0.0)
+        return e.sum(dim=-1)
 
-def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms):
+
+def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass=None):
     """Draw each row from its k largest logits; `ok` says whether that was exact.
 
-    x: [n, V] logits; top_k: [n] int64 | None; top_p, min_p, temperature, uniforms:
-    [n] float32 | None.
-    Returns (tokens [n] int64, ok [n] bool).
+    x: [n, V] logits; top_k: [n] int64 | None; top_p, min_p, temperature, uniforms,
+    full_mass (the exact top-p normaliser; NaN where unknown, and bounds are used): [n]
+    float32 | None.
+    Returns (tokens [n] int64, ok [n] bool, unsure [n] bool: the bounds left a top-p
+    cut undecided, which `full_mass` would settle).
     """
     n, vocab = x.shape
     if k >= vocab:
@@ -390,25 +407,35 @@ def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms):
         kth = vals.gather(1, (top_k - 1).clamp(min=0, max=k - 1).view(-1, 1))  # [n, 1]
         e = e * ((vals >= kth) | ~has_k.view(-1, 1))  # ties with the k-th stay
         ok = ok | (has_k & (kth.view(-1) > last))
+    unsure = torch.zeros_like(ok)
     if top_p is not None:
-        # Top-p without top-k renormalises over the whole vocabulary. The tokens outside
-        # the candidates weigh at most (V - k) x the last candidate's weight, so the cut is
-        # computed for both ends of that range; where they agree, it is the exact cut.
+        # Top-p without top-k renormalises over the whole vocabulary. Unless the exact
+        # normaliser is given, it is bracketed: the tokens outside the candidates weigh at
+        # most (V - k) x the last candidate's weight; where both ends give the same cut,
+        # that is the exact cut.
         mass = e.sum(dim=-1)
         inside = complete if has_k is None else (complete | has_k)
-        tail = torch.where(inside, torch.zeros_like(mass), (vocab - k) * e[:, -1])
         before = e.cumsum(dim=-1) - e  # mass ranked strictly above each candidate
+        known = torch.zeros_like(inside) if full_mass is None else ~torch.isnan(full_mass)
+        tail = torch.where(inside | known, torch.zeros_like(mass), (vocab - k) * e[:, -1])
+        num_lo = (before < (top_p * mass).view(-1, 1)).sum(dim=-1)
+        if full_mass is not None:
+            mass = torch.where(known & ~inside, full_mass, mass)
+        mass = mass + tail
         keep_p = before < (top_p * mass).view(-1, 1)
-        num_lo = keep_p.sum(dim=-1)
-        keep_p = before < (top_p * (mass + tail)).view(-1, 1)
         num_kept = keep_p.sum(dim=-1)
         e = e * keep_p
-        # exact if both ends agree and the cut falls inside the candidates, strictly
-        # above the last value (no tie of the last kept token lies outside)
+        # exact if the cut falls inside the candidates, strictly above the last value
+        # (no tie of the last kept token lies outside)
         last_kept = vals.gather(1, (num_kept - 1).clamp(min=0).view(-1, 1)).view(-1)
-        cut_inside = (num_lo == num_kept) & (num_kept < k) & (last_kept > last)
-        ok = ok | (cut_inside if has_k is None else (~has_k & cut_inside))
+        cut_inside = (num_kept < k) & (last_kept > last)
+        unsure = cut_inside & (num_lo != num_kept) & ~inside & ~known
+        cut_inside = cut_inside & ~unsure
+        if has_k is not None:
+            cut_inside = cut_inside & ~has_k
+            unsure = unsure & ~has_k
+        ok = ok | cut_inside
     c = e.cumsum_(dim=-1)
     target = uniforms.view(-1, 1) * c[:, -1:]
     idx = torch.searchsorted(c, target, right=True).clamp_(max=k - 1)
-    return ids.gather(1, idx).view(-1), ok
+    return ids.gather(1, idx).view(-1), ok, unsure & ~ok
