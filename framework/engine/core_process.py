@@ -1,0 +1,113 @@
+"""The engine core in its own process, for `serve`.
+
+The API process (HTTP, tokenization, chat rendering, detokenization) and this process
+(scheduling and the model step) overlap: while the model runs a step here, the API
+process parses requests and streams the previous step's tokens. Messages travel over
+two ZeroMQ sockets (PUSH/PULL, ipc://): requests in, outputs out. Payloads are pickled
+(requests carry SamplingParams; a step's outputs are a list of small frozen dataclasses).
+
+Input messages: ("add", [Request]), ("abort", [req_id]), ("finish", [req_id]),
+("call", call_id, method, args), ("shutdown",).
+Output messages: ("ready", info), ("outputs", [EngineCoreOutput], SchedulerStats),
+("result", call_id, ok, value), ("dead", message).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+logger = logging.getLogger("portaserve")
+
+# Methods of EngineCore the client may call through ("call", ...).
+CALLABLE_METHODS = frozenset(
+    {"stats", "reset_prefix_cache", "update_weights", "sleep", "wake_up", "is_sleeping", "weights_info", "check_health"}
+)
+
+
+def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
+    """Process entry point (spawned): build the core, report ready, serve until shutdown."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_addr)
+    outbox.setsockopt(zmq.LINGER, 2000)
+
+    def send(msg: tuple) -> None:
+        outbox.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        from portaserve.framework.engine.core import EngineCore
+
+        core = EngineCore(spec)
+    except BaseException as exc:
+        send(("dead", f"engine failed to start: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        outbox.close()
+        ctx.term()
+        sys.exit(1)
+    send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid()}))
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    try:
+        while True:
+            # Block while idle; with work queued, only drain what has already arrived.
+            timeout = 0 if core.has_unfinished_requests() else None
+            events = dict(poller.poll(timeout))
+            while inbox in events:
+                msg = pickle.loads(inbox.recv())
+                if msg[0] == "shutdown":
+                    return
+                _handle(core, msg, send)
+                events = dict(poller.poll(0))
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                send(("outputs", outputs, core.stats()))
+    except BaseException as exc:  # a dead engine must say why, then exit
+        send(("dead", f"engine core died: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        try:
+            core.shutdown()
+        finally:
+            inbox.close(linger=0)
+            outbox.close()
+            ctx.term()
+
+
+def _handle(core: Any, msg: tuple, send) -> None:
+    kind = msg[0]
+    if kind == "add":
+        for request in msg[1]:
+            try:
+                core.add_request(request)
+            except ValueError as exc:  # validated in the front end; report, don't die
+                send(("rejected", request.request_id, str(exc)))
+    elif kind == "abort":
+        core.abort_requests(msg[1])
+    elif kind == "finish":
+        core.finish_requests(msg[1])
+    elif kind == "call":
+        _, call_id, method, args = msg
+        if method not in CALLABLE_METHODS or not hasattr(core, method):
+            send(("result", call_id, False, ValueError(f"unknown engine method {method!r}")))
+            return
+        try:
+            value = getattr(core, method)(*args)
+            send(("result", call_id, True, value))
+        except Exception as exc:
+            try:
+                pickle.dumps(exc)
+            except Exception:
+                exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+            send(("result", call_id, False, exc))
+    else:
+        logger.error("engine core: unknown message %r", kind)
