@@ -103,7 +103,14 @@ class ModelRunner:
         if per_block == 0:  # encoders keep no KV cache; blocks are bookkeeping only
             return max(1, (config.max_num_seqs * self.spec.max_model_len) // self.block_size + 1)
         budget = self.platform.kv_cache_budget_bytes(config.kv_cache_memory, self.local_rank)
-        return self.allocator.num_blocks(budget, per_block)
+        fits = self.allocator.num_blocks(budget, per_block)
+        if config.kv_cache_memory is not None:
+            return fits
+        # Without an explicit budget, stop at what a full batch of full-length sequences
+        # can use (plus the same again for cached prefixes): a small model would otherwise
+        # take the whole default budget and spend start-up time touching it.
+        useful = 2 * config.max_num_seqs * -(-self.spec.max_model_len // self.block_size) + 1
+        return min(fits, useful)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
