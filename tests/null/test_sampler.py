@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from portaserve.framework.engine.params import SamplingParams
-from portaserve.framework.executor.sampler import Sampler, argmax_rows, compute_prompt_logprobs
+from portaserve.framework.executor.sampler import Sampler, argmax_rows, compute_prompt_logprobs, topk_rows
 from portaserve.framework.executor.sampling_state import SamplingState, seeded_uniform
 
 EOS = 0
@@ -154,6 +154,24 @@ def test_block_argmax_equals_torch_argmax_with_ties():
         x[3, :] = 1.0
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), vocab
         assert argmax_rows(x)[1] == 0 and argmax_rows(x)[3] == 0
+
+
+@pytest.mark.parametrize("vocab", [4096, 5000, 151936 // 16])
+def test_block_topk_keeps_every_value_above_the_kth(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=gen) * 3
+    x[1] = (x[1]).round()  # heavy ties
+    x[2, -3:] = 50.0  # maxima in the ragged tail
+    x[3, : vocab - 7] = float("-inf")  # fewer finite values than k
+    for k in (1, 9, 16):
+        vals, ids = topk_rows(x, k)
+        want = torch.topk(x, k, dim=-1).values
+        assert torch.equal(vals, want), k
+        assert torch.equal(x.gather(1, ids), vals) and int(ids.max()) < vocab
+        for r in range(5):
+            assert len(set(ids[r].tolist())) == k  # no duplicates
+            above = set(torch.nonzero(x[r] > vals[r, -1]).view(-1).tolist())
+            assert above <= set(ids[r].tolist())
 
 
 def test_all_greedy_builds_no_tensors():
