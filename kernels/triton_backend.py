@@ -82,8 +82,8 @@ class TritonAttentionBackend(AttentionBackend):
     platforms = frozenset({"cuda", "rocm", "xpu", "cpu"})
     supported_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     supported_kv_cache_dtypes = frozenset({"auto"})
-    # padded to a power of two inside the kernels; >= 32 so every tl.dot dimension is >= 16
-    supported_head_sizes = frozenset({32, 64, 80, 96, 112, 128, 192, 256})
+    # padded to a power of two inside the kernels; >= 16, the smallest tl.dot dimension
+    supported_head_sizes = frozenset({16, 32, 64, 80, 96, 112, 128, 192, 256})
     supported_block_sizes = frozenset({16, 32, 64})
     supports_sliding_window = True
     supports_encoder = False

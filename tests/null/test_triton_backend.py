@@ -171,3 +171,54 @@ def test_triton_ops():
     assert torch.allclose(ops["rms_norm"](x, w, 1e-6), ref, atol=1e-5)
     out, residual = ops["fused_add_rms_norm"](x, x, w, 1e-6)
     assert torch.allclose(residual, 2 * x) and torch.allclose(out, ref, atol=1e-5)
+
+
+# ----- end to end ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """The Triton backend selectable on the CPU platform, as under TRITON_INTERPRET=1.
+
+    Adds only what the installed plugins do not provide yet (the "triton" registration and
+    the CPU platform's "triton" feature), so once they do, this tests the real wiring.
+    """
+    import dataclasses as dc
+
+    from portaserve.framework.plugins import Component, get_registry
+    from portaserve.platforms.cpu.platform import CpuPlatform
+
+    registry = get_registry()
+    backends = registry.components["attention_backends"]
+    if "triton" not in backends:
+        monkeypatch.setitem(backends, "triton", Component("triton", "attention_backends", "test", "portaserve.kernels.triton_backend:TritonAttentionBackend"))
+    original = CpuPlatform.capabilities
+    if "triton" not in original(CpuPlatform(CpuPlatform.probe())).features:
+        monkeypatch.setattr(CpuPlatform, "capabilities", lambda self: dc.replace(original(self), features=original(self).features | {"triton"}))
+    return registry
+
+
+def test_engine_greedy_matches_cpu_backend(triton_on_cpu, tmp_path, monkeypatch):
+    """The tiny Qwen2 checkpoint (sliding-window and full layers, head size 16) generates the
+    same greedy tokens with the Triton backend and fused ops as with cpu_paged and torch ops."""
+    from portaserve import LLM
+    from portaserve.framework.engine.params import SamplingParams
+
+    registry = triton_on_cpu
+    registry.get("checkpoint_writers", "Qwen2ForCausalLM")(str(tmp_path), "tiny", 0)
+    prompts = ["Hello world, this is", "The quick brown fox jumps over the lazy dog and then", "a"]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    tokens = {}
+    for backend in ("cpu_paged", "triton"):
+        if backend == "triton":  # the Triton fused ops too (GPU platforms register them)
+            cpu_ops = [("test", dataclasses.replace(op, platforms=frozenset({"cpu"}), priority=100)) for op in triton_ops()]
+            monkeypatch.setattr(registry, "custom_ops", list(registry.custom_ops) + cpu_ops)
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", attention_backend=backend, max_model_len=128)
+        assert {choice.name for _t, choice in llm.plan.attention} == {backend}
+        ops = dict(llm.plan.custom_ops)
+        assert all(impl == "triton" for impl in ops.values()) if backend == "triton" else "triton" not in ops.values()
+        if backend == "triton":
+            assert set(ops) == set(OP_NAMES), ops
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(t) == 8 for t in tokens["triton"])
+    assert tokens["triton"] == tokens["cpu_paged"]

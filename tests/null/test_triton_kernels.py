@@ -176,8 +176,8 @@ def test_paged_attention_soft_cap(dtype):
 
 @pytest.mark.parametrize(
     ("head_size", "block_size", "gqa"),
-    [(80, 16, 2), (96, 64, 1), (256, 32, 2), (32, 16, 16)],
-    ids=["d80-padded", "bs64", "d256", "gqa16"],
+    [(80, 16, 2), (96, 64, 1), (256, 32, 2), (32, 16, 16), (16, 16, 2)],
+    ids=["d80-padded", "bs64", "d256", "gqa16", "d16"],
 )
 def test_paged_attention_other_shapes(head_size, block_size, gqa):
     gen = torch.Generator().manual_seed(head_size + gqa)
