@@ -40,6 +40,26 @@ def test_many_decode_groups(case):
     assert result.skipped is None, result.skipped
 
 
+class _StridedInputs(CpuPagedAttentionBackend):
+    """Same backend fed q/k/v as views of one fused qkv tensor, as a fused projection yields them."""
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=1)
+        q, k, v = q.view(-1, h, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        assert not q.is_contiguous()
+        return super().forward(q, k, v, kv_cache, metadata)
+
+
+STRIDED_CASES = [c for c in default_cases(CpuPagedAttentionBackend, torch.bfloat16) if "d128" not in c.name and "h4kv1" not in c.name]
+
+
+@pytest.mark.parametrize("case", STRIDED_CASES, ids=[c.name for c in STRIDED_CASES])
+def test_strided_inputs(case):
+    assert run_case(_StridedInputs, case, "cpu").skipped is None
+
+
 def test_registered_under_its_name():
     assert get_registry().get("attention_backends", "cpu_paged") is CpuPagedAttentionBackend
 
