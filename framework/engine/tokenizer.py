@@ -194,18 +194,24 @@ class Tokenizer:
         if not add_special_tokens:
             return ids
         bos, eos = self.bos_token_id, self.eos_token_id
+        plain: list[int] | None = None  # the ids without the post-processor's additions
         if bos is not None and self._add_bos is not None:
             starts = bool(ids) and ids[0] == bos
             if self._add_bos and not starts:
                 ids = [bos] + ids
-            elif not self._add_bos and starts and not text.startswith(self.bos_token or ""):
-                ids = ids[1:]
+            elif not self._add_bos and starts:
+                plain = self._backend.encode(text, add_special_tokens=False).ids
+                if ids[1 : 1 + len(plain)] == plain:  # the leading bos is the post-processor's
+                    ids = ids[1:]
         if eos is not None and self._add_eos is not None:
             ends = bool(ids) and ids[-1] == eos
             if self._add_eos and not ends:
                 ids = ids + [eos]
-            elif not self._add_eos and ends and not text.endswith(self.eos_token or ""):
-                ids = ids[:-1]
+            elif not self._add_eos and ends:
+                if plain is None:
+                    plain = self._backend.encode(text, add_special_tokens=False).ids
+                if len(ids) > len(plain) and ids[len(ids) - 1 - len(plain) : -1] == plain:
+                    ids = ids[:-1]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
