@@ -92,7 +92,7 @@ class _Row:
                  output_token_ids: Iterable[int], eos_token_ids: frozenset[int]) -> None:
         self.greedy = params.temperature < 1e-5
         self.temperature = float(params.temperature)
-        self.top_k = int(params.top_k)
+        self.top_k = min(int(params.top_k), 1 << 24)  # beyond any vocabulary: keeps everything
         self.top_p = float(params.top_p)
         self.min_p = float(params.min_p)
         self.seed = params.seed
@@ -292,27 +292,23 @@ class SamplingState:
         if num_random == 0:
             return None, None
         order = plain_idx + trunc_idx
-        num_unseeded = sum(1 for i in order if rows[i].seed is None)
-        draws = torch.rand(num_unseeded).tolist() if num_unseeded else []
+        sel = [rows[i] for i in order]
+        num_unseeded = sum(1 for r in sel if r.seed is None)
+        draws = iter(torch.rand(num_unseeded).tolist() if num_unseeded else ())
+        uniforms = [next(draws) if r.seed is None else seeded_uniform(r.seed, r.outputs.size) for r in sel]
+        temps = [r.temperature for r in sel]
+        min_ps = [r.min_p for r in sel]
+        top_ks = [r.top_k for r in sel]
+        top_ps = [r.top_p for r in sel]
         # packed: [6, num_random] = row index, temperature, min_p, uniform, top_k, top_p
-        # (row indices and top_k are < 2**24, so float32 holds them exactly)
-        packed = np.empty((6, num_random), dtype=np.float32)
-        next_draw = 0
-        any_temp = any_min_p = any_top_k = any_top_p = False
-        max_top_k = 0
-        for j, i in enumerate(order):
-            row = rows[i]
-            if row.seed is None:
-                u = draws[next_draw]
-                next_draw += 1
-            else:
-                u = seeded_uniform(row.seed, row.outputs.size)
-            packed[:, j] = (i, row.temperature, row.min_p, u, row.top_k, row.top_p)
-            any_temp |= row.temperature != 1.0
-            any_min_p |= row.min_p > 0.0
-            any_top_k |= row.top_k > 0
-            any_top_p |= row.top_p < 1.0
-            max_top_k = max(max_top_k, row.top_k)
+        # (row indices and top_k are <= 2**24, so float32 holds them exactly)
+        flat = order + temps + min_ps + uniforms + top_ks + top_ps
+        packed = np.fromiter(flat, dtype=np.float32, count=len(flat)).reshape(6, num_random)
+        any_temp = any(t != 1.0 for t in temps)
+        any_min_p = any(m > 0.0 for m in min_ps)
+        max_top_k = max(top_ks[len(plain_idx):], default=0)
+        any_top_k = max_top_k > 0
+        any_top_p = any(t < 1.0 for t in top_ps)
         dev = torch.from_numpy(packed).to(device)
         row_ids = dev[0].long()
         p = len(plain_idx)
