@@ -10,3 +10,22 @@ PORTASERVE_CONTRACT = "1.0"
 @hookimpl
 def portaserve_quant_methods():
     return {"none": "portaserve.framework.unquantized:UnquantizedMethod"}
+
+
+_PARSERS = "portaserve.framework.server.parsers"
+
+
+@hookimpl
+def portaserve_reasoning_parsers():
+    return {
+        "deepseek_r1": f"{_PARSERS}.reasoning:DeepSeekR1ReasoningParser",
+        "qwen3": f"{_PARSERS}.reasoning:Qwen3ReasoningParser",
+    }
+
+
+@hookimpl
+def portaserve_tool_parsers():
+    return {
+        "hermes": f"{_PARSERS}.tools:HermesToolParser",
+        "llama3_json": f"{_PARSERS}.tools:Llama3JsonToolParser",
+    }
