@@ -28,13 +28,25 @@ Order of transforms (vLLM v1's `Sampler`):
     a function of the row alone (not of the batch, nor of how ties fall in a partial
     sort).
 
-How top-k / top-p stay cheap: the candidates are the row's `K` largest logits
-(`torch.topk`, K far below the vocabulary); a row whose kept set provably lies inside
-its candidates (the last kept value is strictly above the K-th candidate, or the
-candidates hold every finite logit) is drawn there; the others retry with a larger K,
-then with a full stable sort. All stages give the same token for the same row, so the
-batch never changes a row's result. Rows without top-k / top-p draw over the full
-vocabulary in token-id order (one cumsum, one binary search).
+How top-k / top-p stay cheap: the candidates are the row's `K` largest logits (K far
+below the vocabulary; `topk_rows`). A row whose kept set provably lies inside its
+candidates (the last kept value is strictly above the K-th candidate, or the candidates
+hold every finite logit) is drawn there. Top-p without top-k needs the row's full
+normaliser; the mass outside the candidates is bracketed by (V - K) x the K-th
+candidate's weight, and only rows where the bracket leaves the cut open pay a
+full-vocabulary pass. Rows that still do not fit retry with a larger K, then with a
+full stable sort (what vLLM does for every top-p row). All stages give the same token
+for the same row, so the batch never changes a row's result. Rows without top-k /
+top-p draw over the full vocabulary in token-id order (one cumsum, one binary search).
+
+Why inverse CDF rather than vLLM's exponential race (argmax of probs / Exp(1) noise):
+one uniform per row instead of V noise values, so a seeded row costs one Python hash
+instead of a per-row generator filling the vocabulary, and candidate pruning needs no
+noise for the tokens outside the candidates. The draw is exact up to float32 rounding
+of the cumulative sums (local errors of ~1e-7 per token).
+
+A row whose every token is masked (e.g. allowed_token_ids all blocked by min_tokens)
+gets an arbitrary in-range id rather than an error.
 
 Logprobs (vLLM v1's default `raw_logprobs`): the logprob of the sampled token and the
 top-k logprobs are `log_softmax` of the model's RAW logits — before steps 3-11, so no
@@ -79,12 +91,16 @@ class _Workspace:
 
     A [64, 152k] float32 tensor is ~39 MB: on the CPU every fresh allocation that size is
     a new mmap whose page faults cost more than the arithmetic, so the sampler reuses them.
+    Accelerators' caching allocators already reuse memory; there a buffer is allocated per
+    use, so the sampler holds nothing between steps beside the KV cache.
     """
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def get(self, name: str, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(rows, vocab, dtype=torch.float32, device=device)
         key = (name, device)
         buf = self._bufs.get(key)
         if buf is None or buf.shape[1] != vocab or buf.shape[0] < rows:
