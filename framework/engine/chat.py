@@ -66,6 +66,11 @@ def _environment():
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
+    if version < (3, 1, 6):
+        # earlier releases have known sandbox escapes, and templates are untrusted code
+        raise RuntimeError(f"chat templates need jinja2 >= 3.1.6 (installed: {jinja2.__version__}); pip install -U jinja2")
+
     class GenerationBlock(Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for training masks;
         # serving only needs the text.

@@ -133,6 +133,8 @@ class StopChecker:
         #: The stop string that ended the text, once one has.
         self.matched: str | None = None
         self._released = 0
+        # A held-back tail ends with one of these characters (any but a stop string's last).
+        self._inner_chars = frozenset("".join(s[:-1] for s in self.stop))
 
     def add(self, text: str) -> str | None:
         """Append the text of one more generated token; returns the stop string it completes, if any.
@@ -169,6 +171,8 @@ class StopChecker:
         # The longest tail of the text that is a proper prefix of some stop string.
         text = self.text
         longest = 0
+        if not text or text[-1] not in self._inner_chars:
+            return 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), longest, -1):
                 if text.endswith(s[:k]):
