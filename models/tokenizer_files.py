@@ -357,14 +357,29 @@ def qwen2_tokenizer_json(ranks_file: str | os.PathLike | None = None) -> Path:
     """Path of the cached Qwen2 tokenizer.json, building it first if needed.
 
     The file is written to a temporary name and renamed into place, so processes that build
-    it at the same time never read half a file.
+    it at the same time never read half a file. When the cache folder is not writable the
+    build goes to a folder under the system's temporary directory instead.
     """
     ranks_path = Path(ranks_file) if ranks_file is not None else qwen2_ranks_path()
-    target = _cache_root() / f"qwen2-{_build_key(ranks_path)}" / "tokenizer.json"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"qwen2-{_build_key(ranks_path)}"
+    fallback = Path(tempfile.gettempdir()) / f"portaserve-tokenizers-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    for root in (_cache_root(), fallback):
+        target = root / name / "tokenizer.json"
+        if target.is_file():
+            return target
     text = build_qwen2_tokenizer(load_ranks(ranks_path)).to_str()
+    for root in (_cache_root(), fallback):
+        target = root / name / "tokenizer.json"
+        try:
+            _write_atomically(target, text)
+            return target
+        except OSError as error:
+            last_error = error
+    raise last_error
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tokenizer.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -373,7 +388,6 @@ def qwen2_tokenizer_json(ranks_file: str | os.PathLike | None = None) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target
 
 
 # ----- the files a checkpoint folder gets ----------------------------------------------------

@@ -233,3 +233,13 @@ def test_merges_reproduce_tiktoken_merging_on_toy_ranks():
         nxt += 1
     merges = tf.merges_from_ranks(ranks)
     assert merges == [(b"b", b"c"), (b"a", b"b"), (b"a", b"bc"), (b"c", b"d"), (b"abc", b"d")]
+
+
+def test_unwritable_cache_falls_back_to_a_temporary_folder(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("PORTASERVE_CACHE_DIR", str(blocker))  # mkdir under a file fails
+    monkeypatch.setattr(tf.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(tf, "build_qwen2_tokenizer", lambda ranks: tokenizers.Tokenizer(tokenizers.models.BPE()))
+    path = tf.qwen2_tokenizer_json()
+    assert path.is_file() and path.is_relative_to(tmp_path / "tmp")
