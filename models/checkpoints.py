@@ -13,7 +13,12 @@ like Qwen2-0.5B (benchmarks only, about 1 GB in bfloat16).
 
 Weights are normal(0, 0.02) like transformers' initializer_range; norm weights are
 1 + normal(0, 0.02) and biases normal(0, 0.02), so loading a wrong tensor into a norm
-or a bias shows up in parity tests instead of hiding behind ones and zeros.
+or a bias shows up in parity tests instead of hiding behind ones and zeros. The one
+exception is the MLP's output projection (`down_proj`, std 0.32): with every weight at
+0.02, a random decoder's next token is set by the attention average over the context
+(and, with tied embeddings, by the current token's own embedding), so greedy decoding
+repeats one token forever, which would hide a KV cache that is read wrongly. A strong
+MLP branch makes each prediction depend on the current token, and continuations vary.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ VOCAB_SIZE = 151936
 ENDOFTEXT_ID = 151643
 IM_END_ID = 151645
 INIT_STD = 0.02
+MLP_OUT_STD = 0.32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +48,7 @@ _DECODER_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, torch_dtype="float32"),
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32"),
+                  num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="bfloat16"),
     "bench": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, torch_dtype="bfloat16",
                   rope_theta=1000000.0),
@@ -151,7 +157,7 @@ def _decoder_tensors(config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ..
             out[f"{p}.self_attn.k_norm.weight"] = ((head_dim,), "norm")
         out[f"{p}.post_attention_layernorm.weight"] = ((hidden,), "norm")
         for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
-            out[f"{p}.mlp.{name}.weight"] = (shape, "matrix")
+            out[f"{p}.mlp.{name}.weight"] = (shape, "mlp_out" if name == "down_proj" else "matrix")
             if mlp_bias:
                 out[f"{p}.mlp.{name}.bias"] = ((shape[0],), "bias")
     out["model.norm.weight"] = ((hidden,), "norm")
@@ -198,7 +204,7 @@ def random_weights(config: Mapping[str, Any], seed: int, dtype: torch.dtype) -> 
     tensors = {}
     for name in layout:
         shape, kind = layout[name]
-        values = torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD
+        values = torch.randn(shape, generator=gen, dtype=torch.float32) * (MLP_OUT_STD if kind == "mlp_out" else INIT_STD)
         if kind == "norm":
             values += 1.0
         tensors[name] = values.to(dtype)

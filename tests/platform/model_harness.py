@@ -156,12 +156,14 @@ def greedy_generate(
             left = len(seq.tokens) - seq.num_computed
             work.append((base + i, min(left, chunk) if chunk else left))
         hidden = runner.step(work)
-        for (seq_id, n), h in zip(work, hidden):
-            seq = runner.seqs[seq_id]
-            if seq.num_computed < len(seq.tokens):
-                continue  # a prefill chunk that does not reach the end samples nothing
-            with torch.inference_mode():
-                token = int(runner.model.compute_logits(h[-1:]).argmax(-1))
+        # a prefill chunk that does not reach the end of its prompt samples nothing
+        done = [(seq_id, h[-1]) for (seq_id, _), h in zip(work, hidden)
+                if runner.seqs[seq_id].num_computed == len(runner.seqs[seq_id].tokens)]
+        if not done:
+            continue
+        with torch.inference_mode():
+            tokens = runner.model.compute_logits(torch.stack([h for _, h in done])).argmax(-1).tolist()
+        for (seq_id, _), token in zip(done, tokens):
             outputs[seq_id - base].append(token)
             runner.append(seq_id, token)
     return outputs
