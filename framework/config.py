@@ -50,11 +50,19 @@ class EngineConfig(BaseModel):
     strict_plugins: bool = False
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    logits_processors: list[str] | None = Field(
+        None,
+        description="fully-qualified 'module:Class' logits processors, instantiated once per worker (no arguments) "
+        "and applied to every request as processor(output_token_ids, logits_row) -> logits_row",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         if self.enforce_eager and self.compilation_mode not in (None, "none"):
             raise ValueError("enforce_eager conflicts with compilation_mode=%r" % self.compilation_mode)
+        for name in self.logits_processors or ():
+            if name.count(":") != 1 or not all(name.split(":")):
+                raise ValueError(f"logits_processors: {name!r} is not a fully-qualified 'module:Class' name")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         return self

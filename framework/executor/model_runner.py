@@ -9,6 +9,7 @@ the platform, backends and allocator come from the ExecutionPlan.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from portaserve.framework.executor.sampler import Sampler, compute_prompt_logpro
 from portaserve.framework.executor.sampling_state import SamplingState
 from portaserve.framework.interfaces import AttentionBatch, Communicator, KVCacheAllocator, Platform
 from portaserve.framework.layer_context import LayerContext, StepContext
-from portaserve.framework.plugins import PluginRegistry
+from portaserve.framework.plugins import PluginRegistry, import_object
 
 logger = logging.getLogger("portaserve")
 
@@ -77,6 +78,8 @@ class ModelRunner:
         self.sampling = SamplingState()
         self.sampler = Sampler()
         self.allocator: KVCacheAllocator = registry.get("kv_cache_allocators", self.plan.kv_cache_allocator.name)(self.device)
+        # --logits-processors: one instance per worker, applied to every request.
+        self.extra_logits_processors = [import_object(name)() for name in spec.config.logits_processors or ()]
 
     # ----- setup -----------------------------------------------------------------------
 
@@ -142,6 +145,10 @@ class ModelRunner:
                 prompt_logprobs=params.prompt_logprobs if params is not None else None,
                 is_pooling=new.pooling_params is not None,
             )
+            if params is not None and self.extra_logits_processors:
+                # a copy: in-process, the scheduler's Request holds the same params object
+                params = copy.copy(params)
+                params.logits_processors = [*(params.logits_processors or ()), *self.extra_logits_processors]
             if params is not None:
                 self.sampling.add_request(
                     new.req_id,
@@ -228,7 +235,11 @@ class ModelRunner:
             sample_ids = [states[i].req_id for i in sample_rows]
             meta = self.sampling.make_metadata(sample_ids, logits.device)
             out = self.sampler(logits, meta)
-            tokens = out.sampled_token_ids.tolist()
+            sampled_ids = out.sampled_token_ids
+            if self.tp_size > 1 and self.communicator is not None:
+                # Every rank must continue with the same tokens; rank 0's draw decides.
+                sampled_ids = self.communicator.broadcast(sampled_ids.to(self.device).contiguous(), src=0).cpu()
+            tokens = sampled_ids.tolist()
             want = {r: self.sampling.num_logprobs(r) for r in sample_ids}
             for row, (req_id, token) in enumerate(zip(sample_ids, tokens)):
                 sampled[req_id] = token

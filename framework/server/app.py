@@ -1,0 +1,256 @@
+"""The FastAPI application: routes, the API-key / body-size / request-id gateway, CORS, and
+the engine's lifecycle.
+
+`create_app(settings, engine=...)` serves an engine that has already started;
+`create_app(settings, engine_factory=...)` starts listening at once and loads the engine
+in the background: `/health` answers 503 while it loads, 200 when it is ready, and 500
+if it failed to start or died later (every other route answers the same error meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from portaserve import __version__
+from portaserve.framework.server.errors import error_body, install_exception_handlers
+from portaserve.framework.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from portaserve.framework.server.serving_chat import ChatService
+from portaserve.framework.server.serving_completion import CompletionService
+from portaserve.framework.server.serving_embedding import EmbeddingService
+from portaserve.framework.server.serving_tokens import TokenService
+from portaserve.framework.server.state import ServerSettings, ServerState
+
+logger = logging.getLogger("portaserve.server")
+
+#: Routes anyone may call without the API key (load balancers probe them).
+PUBLIC_PATHS = frozenset({"/health"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class GatewayMiddleware:
+    """Pure ASGI (so streaming and disconnect detection are untouched): API key, body limit, request id."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        self.keys = [k.encode() for k in state.settings.api_keys]
+
+    async def _reply(self, send, status: int, message: str, headers: list | None = None) -> None:
+        import json
+
+        body = json.dumps(error_body(status, message)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + (headers or [])})
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope) -> bool:
+        if not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            return True
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        return any(hmac.compare_digest(token, key) for key in self.keys)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            await self._reply(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              [(b"www-authenticate", b"Bearer")])
+            return
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        if scope["method"] in _BODY_METHODS:
+            limit = self.state.settings.max_request_body_bytes
+            declared = headers.get(b"content-length")
+            too_big = f"the request body is larger than the server's limit of {limit} bytes (--max-request-body-bytes)"
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                await self._reply(send, 413, too_big)
+                return
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    await self._reply(send, 413, too_big)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            receive = _replay(b"".join(chunks), receive)
+        if self.state.settings.enable_request_id_headers:
+            send = _with_header(send, b"x-request-id", request_id.encode("latin-1"))
+        await self.app(scope, receive, send)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # afterwards only http.disconnect arrives
+
+    return replayed
+
+
+def _with_header(send, name: bytes, value: bytes):
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = dict(message)
+            message["headers"] = [*message.get("headers", []), (name, value)]
+        await send(message)
+
+    return sending
+
+
+def create_app(
+    settings: ServerSettings | None = None,
+    *,
+    engine: Any | None = None,
+    engine_factory: Callable[[], Awaitable[Any]] | None = None,
+    spec: Any | None = None,
+) -> FastAPI:
+    """The server for one engine (see the module docstring)."""
+    settings = settings or ServerSettings()
+    state = ServerState(settings, spec if spec is not None else getattr(engine, "spec", None))
+    if engine is not None:
+        state.attach(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = None
+        if engine_factory is not None and state.engine is None:
+            loader = asyncio.ensure_future(_load(state, engine_factory))
+        try:
+            yield
+        finally:
+            if loader is not None and not loader.done():
+                loader.cancel()
+                with contextlib.suppress(BaseException):
+                    await loader
+            if engine_factory is not None and state.engine is not None:
+                with contextlib.suppress(Exception):
+                    await state.engine.shutdown()
+
+    app = FastAPI(title="portaserve", version=__version__, lifespan=lifespan)
+    app.state.portaserve = state
+    install_exception_handlers(app)
+    chat, completion = ChatService(state), CompletionService(state)
+    embedding, tokens = EmbeddingService(state), TokenService(state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, reason = state.health()
+        if status == 200:
+            return Response(status_code=200)
+        return JSONResponse(error_body(status, reason), status_code=status)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        spec = state.spec
+        demo = bool(getattr(spec, "is_demo", False))
+        cards = [
+            ModelCard(
+                id=name,
+                root=getattr(spec, "model_path", None),
+                max_model_len=getattr(spec, "max_model_len", None),
+                weights_version=int(getattr(state.engine, "weights_version", 0) or 0),
+                demo=demo,
+                description="portaserve's demo checkpoint: RANDOM WEIGHTS, the output is gibberish" if demo else None,
+            )
+            for name in state.model_names
+        ]
+        return ModelList(data=cards).model_dump(mode="json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            return PlainTextResponse("", media_type="text/plain; version=0.0.4")
+        engine = state.engine
+        if engine is not None and getattr(engine, "is_healthy", False) and hasattr(engine, "call"):
+            with contextlib.suppress(Exception):  # a fresh snapshot; the last step's otherwise
+                state.metrics.update_stats(await engine.call("stats", timeout=2.0))
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        return await chat.create(request, raw)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request):
+        return await completion.create(request, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw: Request):
+        return await embedding.create(request, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return await tokens.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return await tokens.detokenize(request)
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: GenerateRequest, raw: Request):
+        return await tokens.generate(request, raw)
+
+    app.add_middleware(GatewayMiddleware, state=state)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(settings.allowed_origins),
+        allow_methods=list(settings.allowed_methods),
+        allow_headers=list(settings.allowed_headers),
+        allow_credentials=settings.allow_credentials,
+    )
+    return app
+
+
+async def _load(state: ServerState, factory: Callable[[], Awaitable[Any]]) -> None:
+    t0 = time.monotonic()
+    try:
+        engine = await factory()
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # reported by /health; the process keeps serving errors
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        logger.error("the engine failed to start: %s", state.load_error)
+        return
+    state.attach(engine)
+    logger.info("engine ready in %.1fs; serving %s", time.monotonic() - t0, ", ".join(state.model_names))

@@ -1,0 +1,131 @@
+"""The server's settings and its shared state (the engine once it is loaded, metrics, parsers)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from portaserve.framework.errors import invalid
+from portaserve.framework.server.errors import APIError, first_line
+from portaserve.framework.server.metrics import ServerMetrics
+from portaserve.framework.server.tracing import Tracer
+
+logger = logging.getLogger("portaserve.server")
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What `portaserve serve` decides beyond the engine (the HTTP side)."""
+
+    api_keys: tuple[str, ...] = ()
+    #: Names clients may use for the model; the first one is reported. Empty: the engine's name.
+    served_model_names: tuple[str, ...] = ()
+    chat_template: str | None = None  # template text (``--chat-template`` already loaded)
+    response_role: str = "assistant"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    enable_request_id_headers: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    return_tokens_as_token_ids: bool = False
+    trust_request_chat_template: bool = False
+    otlp_traces_endpoint: str | None = None
+    registry: Any = field(default=None, compare=False)  # a PluginRegistry for the parsers (tests)
+
+    def check(self) -> None:
+        """Fail before anything starts when the parser flags do not fit together."""
+        from portaserve.framework.server.parsers import get_reasoning_parser, get_tool_parser
+
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise invalid("enable_auto_tool_choice", "needs --tool-call-parser NAME (the format the model writes calls in)")
+        if self.tool_call_parser:
+            get_tool_parser(self.tool_call_parser, self.registry)
+        if self.reasoning_parser:
+            get_reasoning_parser(self.reasoning_parser, self.registry)
+        if self.max_request_body_bytes < 1:
+            raise invalid("max_request_body_bytes", f"must be >= 1, got {self.max_request_body_bytes}")
+
+
+class ServerState:
+    """Shared by every route: the engine (None while it loads), metrics, parser classes."""
+
+    def __init__(self, settings: ServerSettings, spec: Any | None = None) -> None:
+        from portaserve.framework.server.parsers import get_reasoning_parser, get_tool_parser
+
+        settings.check()
+        self.settings = settings
+        self.engine: Any | None = None
+        self.load_error: str | None = None
+        self.spec = spec
+        self.metrics: ServerMetrics | None = None
+        self.tracer = Tracer()
+        self.reasoning_parser_cls = get_reasoning_parser(settings.reasoning_parser, settings.registry) if settings.reasoning_parser else None
+        self.tool_parser_cls = get_tool_parser(settings.tool_call_parser, settings.registry) if settings.tool_call_parser else None
+        if spec is not None:
+            self._make_metrics(spec)
+
+    def _make_metrics(self, spec: Any) -> None:
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.model_names_for(spec)[0], getattr(spec, "plan", None))
+
+    def model_names_for(self, spec: Any | None) -> list[str]:
+        if self.settings.served_model_names:
+            return list(self.settings.served_model_names)
+        name = getattr(spec, "served_model_name", None) if spec is not None else None
+        return [name or "portaserve"]
+
+    @property
+    def model_names(self) -> list[str]:
+        return self.model_names_for(self.spec)
+
+    def attach(self, engine: Any) -> None:
+        """The engine has started: routes may use it from now on."""
+        self.spec = getattr(engine, "spec", self.spec)
+        self._make_metrics(self.spec)
+        listeners = getattr(engine, "_stats_listeners", None)
+        if listeners is not None and self.metrics is not None:
+            listeners.append(self.metrics.on_step)
+        self.engine = engine
+
+    # ----- checks every route makes ------------------------------------------------------------
+
+    def health(self) -> tuple[int, str]:
+        """(HTTP status, reason) for /health: 200 ready, 503 loading, 500 failed or dead."""
+        if self.load_error is not None:
+            return 500, f"the engine failed to start: {first_line(self.load_error)}"
+        engine = self.engine
+        if engine is None:
+            return 503, "the engine is loading"
+        dead = getattr(engine, "dead_reason", None)
+        if dead is not None:
+            return 500, f"the engine is dead: {first_line(dead)}"
+        if not getattr(engine, "is_healthy", True):
+            return 503, "the engine is not ready"
+        return 200, "ok"
+
+    def require_engine(self) -> Any:
+        status, reason = self.health()
+        if status != 200:
+            raise APIError(status, reason)
+        return self.engine
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report for a request naming `model` (None: the default); 404 if unknown."""
+        names = self.model_names
+        if model is None or model == "":
+            return names[0]
+        if model not in names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(repr(n) for n in names)}", "model")
+        return model
+
+    def check_priority(self, priority: int) -> None:
+        config = getattr(self.spec, "config", None)
+        if priority and getattr(config, "scheduling_policy", "fcfs") != "priority":
+            raise invalid("priority", "is only allowed when the server runs with --scheduling-policy priority")
