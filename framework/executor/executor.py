@@ -30,6 +30,10 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; returns rank 0's output."""
 
+    def call_workers(self, method: str, *args):
+        """Run a Worker method on every rank; returns the per-rank results."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         """Stop workers and release their resources."""
 
@@ -58,6 +62,9 @@ class UniProcExecutor(Executor):
         assert out is not None  # rank 0 always returns its output
         return out
 
+    def call_workers(self, method: str, *args):
+        return [getattr(self.worker, method)(*args)]
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
@@ -65,8 +72,19 @@ class UniProcExecutor(Executor):
 def make_executor(spec: EngineSpec) -> Executor:
     """The executor for `spec`'s tensor-parallel size and backend choice."""
     backend = spec.config.distributed_executor_backend
-    if spec.config.tensor_parallel_size == 1 and backend in ("auto", "uni"):
+    tp = spec.config.tensor_parallel_size
+    if backend == "uni" or (backend == "auto" and tp == 1):
+        if tp != 1:
+            from portaserve.framework.errors import invalid
+
+            raise invalid("distributed_executor_backend", f"'uni' runs one rank; tensor_parallel_size={tp} needs 'mp' or 'ray'")
         return UniProcExecutor(spec)
-    raise NotImplementedError(
-        f"tensor_parallel_size={spec.config.tensor_parallel_size} with executor {backend!r} is not available yet"
-    )
+    if backend in ("auto", "mp"):
+        from .multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(spec)
+    if backend == "ray":
+        from .ray_executor import RayExecutor
+
+        return RayExecutor(spec)
+    raise NotImplementedError(f"distributed executor backend {backend!r}")

@@ -1,0 +1,164 @@
+"""`MultiprocExecutor`: one spawned worker process per tensor-parallel rank.
+
+The driver (the engine core) sends each step's SchedulerOutput to every worker over a
+pipe and waits for all of them (rank 0's reply carries the output); ranks talk to each
+other only through the platform's Communicator. A worker that dies, or raises, fails the
+engine with its rank and error within one poll interval; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from portaserve.framework.engine.startup import EngineSpec
+from portaserve.framework.errors import EngineDeadError
+
+from .executor import Executor
+
+logger = logging.getLogger("portaserve")
+
+# How often a waiting driver checks that every worker is still alive (seconds).
+POLL_INTERVAL_S = 1.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(spec: EngineSpec, rank: int, world_size: int, local_rank: int, init_method: str, conn: Connection) -> None:
+    """Worker process: build the Worker, then answer (method, args) calls until told to stop."""
+    from .worker import Worker, WorkerRank
+
+    try:
+        worker = Worker(spec, WorkerRank(rank, world_size, local_rank, init_method))
+        worker.load_model()
+        conn.send(("ok", None))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == "shutdown":
+            worker.shutdown()
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class MultiprocExecutor(Executor):
+    """Tensor parallelism over `tensor_parallel_size` local worker processes."""
+
+    def __init__(self, spec: EngineSpec, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
+        super().__init__(spec)
+        self.world_size = spec.config.tensor_parallel_size
+        init_method = f"tcp://{master_addr}:{master_port or free_port(master_addr)}"
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._dead: str | None = None
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(spec, rank, self.world_size, rank, init_method, child),
+                name=f"portaserve-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        try:
+            self._collect()  # every worker built its model
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _collect(self) -> list[Any]:
+        """Wait for one reply per worker, failing fast if any worker dies or errors."""
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        while pending:
+            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], POLL_INTERVAL_S)
+            for r in list(pending):
+                conn, proc = self.conns[r], self.procs[r]
+                if conn in ready or conn.poll():
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        self._fail(r, f"worker exited (code {proc.exitcode})")
+                    if status == "error":
+                        self._fail(r, value)
+                    results[r] = value
+                    pending.discard(r)
+                elif proc.sentinel in ready or not proc.is_alive():
+                    self._fail(r, f"worker process died (exit code {proc.exitcode})")
+        return results
+
+    def _fail(self, rank: int, why: str) -> None:
+        self._dead = f"tensor-parallel rank {rank} failed: {why}"
+        logger.error("%s", self._dead)
+        raise EngineDeadError(self._dead)
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        for r, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                self._fail(r, f"worker is gone (exit code {self.procs[r].exitcode})")
+        return self._collect()
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call_all("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all("execute_model", sched)[0]
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run a Worker method on every rank (weight updates, sleep / wake)."""
+        return self._call_all(method, *args)
+
+    def check_health(self) -> None:
+        for r, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._fail(r, f"worker process died (exit code {proc.exitcode})")
+
+    def shutdown(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send(("shutdown", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.procs = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None] or [os.getpid()]
