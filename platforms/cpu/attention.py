@@ -98,7 +98,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     max_gqa_ratio = None
 
     #: Padded keys per decode group (see `_decode_groups`; chosen in bench_attention.py).
-    decode_group_tokens: int = 4096
+    decode_group_tokens: int = 2048
 
     def __init__(self, spec: AttentionSpec, block_size: int, device: torch.device) -> None:
         super().__init__(spec, block_size, device)

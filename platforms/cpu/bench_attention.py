@@ -162,6 +162,15 @@ def bench_decode(dtype) -> None:
         table.index_copy_(0, md.write_rows[1], v.reshape(-1, 64)),
     )
     fns["  of which: gather (index_select per group)"] = lambda: [table.index_select(0, g.rows) for g in md.decode_groups]
+    # The same gather if the layout were token-major, [num_blocks, 2, block_size, num_kv_heads, head_size]
+    bs, hkv = backend.block_size, spec.num_kv_heads
+
+    def token_major(rows):
+        offset, head, block_kv = rows % bs, (rows // bs) % hkv, rows // (bs * hkv)
+        return (block_kv * bs + offset) * hkv + head
+
+    tm_rows = [token_major(g.rows) for g in md.decode_groups]
+    fns["  gather if the layout were token-major (rejected)"] = lambda: [table.index_select(0, r) for r in tm_rows]
     _print(compare(fns))
 
     g = _one_group(backend, batch)
