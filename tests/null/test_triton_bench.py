@@ -3,20 +3,26 @@ interpreter smoke run, and the clear refusal when there is neither GPU nor inter
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are decorated on import)
+import pytest
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+from portaserve.framework.cli import build_parser
+from portaserve.kernels._interpret import interpreter_env
 
-import pytest  # noqa: E402
+with interpreter_env():  # triton and the kernels are decorated (interpreted or compiled) on import
+    pytest.importorskip("triton")
+    from portaserve.kernels import activation, paged_attention, reshape_and_cache, rms_norm, rotary  # noqa: F401
+    from portaserve.kernels.bench import Shapes, attention_cost, num_sets
 
-pytest.importorskip("triton")
 
-from portaserve.framework.cli import build_parser  # noqa: E402
-from portaserve.kernels.bench import Shapes, attention_cost, num_sets  # noqa: E402
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 while each test runs (triton reads it at launch too), and only then."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def test_cli_wiring():

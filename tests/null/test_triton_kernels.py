@@ -8,35 +8,35 @@ Sizes are tiny: the interpreter runs every program in numpy.
 
 from __future__ import annotations
 
-import os
+import itertools
+import math
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are decorated on import)
+import pytest
+import torch
 
-import itertools  # noqa: E402
-import math  # noqa: E402
+from portaserve.kernels._interpret import interpreter_env
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+with interpreter_env():  # triton and the kernels are decorated (interpreted or compiled) on import
+    pytest.importorskip("triton")
+    from portaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from portaserve.kernels.kv_layout import kv_cache_shape
+    from portaserve.kernels.paged_attention import (
+        MAX_SPLITS,
+        choose_num_splits,
+        paged_attention,
+        paged_attention_ref,
+        plan_work,
+    )
+    from portaserve.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+    from portaserve.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+    from portaserve.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
-pytest.importorskip("triton")
 
-from portaserve.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from portaserve.kernels.kv_layout import kv_cache_shape  # noqa: E402
-from portaserve.kernels.paged_attention import (  # noqa: E402
-    MAX_SPLITS,
-    choose_num_splits,
-    paged_attention,
-    paged_attention_ref,
-    plan_work,
-)
-from portaserve.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
-from portaserve.kernels.rms_norm import (  # noqa: E402
-    fused_add_rms_norm,
-    fused_add_rms_norm_ref,
-    rms_norm,
-    rms_norm_ref,
-)
-from portaserve.kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 while each test runs (triton reads it at launch too), and only then."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
