@@ -33,11 +33,12 @@ def make_plan(model_dir: str | Path, *, dtype: str = "float32", block_size: int 
 
 
 def paged_runner(model_dir: str | Path, *, dtype: str = "float32", block_size: int = 8, device: str = "cpu",
-                 num_blocks: int = 256) -> "PagedRunner":
-    """Build the checkpoint's model under a CPU plan and wrap it in a PagedRunner."""
+                 num_blocks: int = 256, tp_rank: int = 0, tp_size: int = 1, communicator=None) -> "PagedRunner":
+    """Build the checkpoint's model under a CPU plan (this rank's shard) and wrap it in a PagedRunner."""
     plan, registry = make_plan(model_dir, dtype=dtype, block_size=block_size, device=device)
-    model = build_model(plan, registry, model_dir, torch.device(device), progress=False)
-    return PagedRunner(model, plan, registry, load_hf_config(model_dir), num_blocks=num_blocks, device=device)
+    model = build_model(plan, registry, model_dir, torch.device(device), tp_rank, tp_size, communicator, progress=False)
+    return PagedRunner(model, plan, registry, load_hf_config(model_dir), num_blocks=num_blocks, device=device,
+                       tp_rank=tp_rank, tp_size=tp_size)
 
 
 @dataclass
@@ -50,13 +51,15 @@ class _Seq:
 class PagedRunner:
     """Drives `model` step by step over a paged KV cache it owns."""
 
-    def __init__(self, model, plan, registry, hf_config, *, num_blocks: int = 256, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model, plan, registry, hf_config, *, num_blocks: int = 256, device: str = "cpu", seed: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = plan.block_size
         arch = registry.get("model_architectures", plan.model_architecture.name)
         self.layer_types = arch.attention_layer_types(hf_config)
-        self.backends = LayerContext.from_plan(plan, registry, self.device).attention_backends()
+        # this rank's heads: the KV cache holds only this rank's share
+        self.backends = LayerContext.from_plan(plan, registry, self.device, tp_rank, tp_size).attention_backends()
         self.kv_caches = [
             torch.zeros(self.backends[t].kv_cache_shape(num_blocks), dtype=self.backends[t].kv_cache_torch_dtype(), device=self.device)
             for t in self.layer_types
