@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import struct
 
 from fastapi import Request
@@ -35,6 +36,19 @@ def _inputs(value) -> list[str | list[int]]:
 def encode_base64(vector: list[float]) -> str:
     """OpenAI's base64 embedding: the float32 little-endian bytes."""
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def truncate(vector: list[float], dimensions: int | None, normalized: bool) -> list[float]:
+    """OpenAI's `dimensions`: keep the first ones (matryoshka), re-normalized if the model normalizes."""
+    if dimensions is None or dimensions == len(vector):
+        return vector
+    if dimensions > len(vector):
+        raise invalid("dimensions", f"must be <= the model's embedding size {len(vector)}, got {dimensions}")
+    head = vector[:dimensions]
+    if normalized:
+        norm = math.sqrt(sum(x * x for x in head)) or 1.0
+        head = [x / norm for x in head]
+    return head
 
 
 class EmbeddingService:
@@ -73,9 +87,12 @@ class EmbeddingService:
             return last
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        normalized = req.normalize
+        if normalized is None:
+            normalized = bool(((getattr(state.spec, "hf_config", None) or {}).get("portaserve_pooling") or {}).get("normalize", True))
         data = []
         for i, out in enumerate(results):
-            vector = list(out.outputs.embedding)
+            vector = truncate(list(out.outputs.embedding), req.dimensions, normalized)
             data.append(EmbeddingData(index=i, embedding=encode_base64(vector) if req.encoding_format == "base64" else vector))
         num_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
         body = EmbeddingResponse(id=response_id, model=model, data=data, usage=make_usage(num_prompt, 0))
