@@ -32,7 +32,36 @@ def _kernels_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
 
 
+def _lazy_arguments(target: str) -> Callable[[argparse.ArgumentParser], None]:
+    """Options defined next to the benchmark (imported when the CLI is built; cheap modules)."""
+
+    def add(p: argparse.ArgumentParser) -> None:
+        from portaserve.framework.plugins import import_object
+
+        import_object(target)(p)
+
+    return add
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "throughput",
+        "offline generation through the Python API: requests/s, output and total tokens/s",
+        _lazy_arguments("portaserve.framework.bench.throughput:add_arguments"),
+        "portaserve.framework.bench.throughput:main",
+    ),
+    Benchmark(
+        "latency",
+        "one batch end to end: prefill and per-step decode times, engine overhead share",
+        _lazy_arguments("portaserve.framework.bench.latency:add_arguments"),
+        "portaserve.framework.bench.latency:main",
+    ),
+    Benchmark(
+        "serve",
+        "load any OpenAI-compatible server: TTFT, TPOT, ITL, end-to-end latency, throughput",
+        _lazy_arguments("portaserve.framework.bench.serve:add_arguments"),
+        "portaserve.framework.bench.serve:main",
+    ),
     Benchmark(
         "kernels",
         "time each Triton kernel on the current device (GB/s and TFLOP/s against the measured copy and matmul rates); "
@@ -44,7 +73,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (kernels)", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("bench", help="benchmarks (throughput, latency, serve, kernels)", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for bench in BENCHMARKS:
         bp = sub.add_parser(bench.name, help=bench.help, description=bench.help)

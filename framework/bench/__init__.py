@@ -1,0 +1,1 @@
+"""`portaserve bench throughput|latency|serve`: offline and online benchmarks."""
