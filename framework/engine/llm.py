@@ -179,6 +179,52 @@ class LLM:
             p.output_kind = RequestOutputKind.FINAL_ONLY
         return params
 
+    # ----- RL loops: live weight updates, sleep / wake -----------------------------------
+    # Requests still running when one of these is called finish on the old weights first.
+
+    @property
+    def weights_version(self) -> int:
+        """0 at start, +1 per successful weight update (also in RequestOutput.weights_version)."""
+        return self.llm_engine.weights_version
+
+    def update_weights(self, path: str) -> dict:
+        """Reload the weights from checkpoint folder `path` (same architecture and shapes)
+        without a restart; the prefix cache is reset. A folder that does not fit is
+        rejected with an error naming the tensor, and the old weights keep serving.
+
+        :returns: {"weights_version", "num_tensors", "num_bytes", "seconds"}.
+        """
+        return self.llm_engine.update_weights(path)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 timeout_s: float | None = None) -> dict:
+        """Join a trainer's process group (the trainer is rank 0; engine rank r is
+        `rank_offset + r`). Blocks until the trainer (a `TrainerWeightSender`) joins too."""
+        return self.llm_engine.init_weight_update_group(master_address, master_port, rank_offset, world_size, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]]) -> dict:
+        """Receive these full tensors (checkpoint names, the engine's dtype, full shapes) from
+        the trainer's broadcast, in this order, and swap them in."""
+        return self.llm_engine.update_weights_from_distributed(names, dtypes, shapes)
+
+    def destroy_weight_update_group(self) -> None:
+        self.llm_engine.destroy_weight_update_group()
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free device memory: level 1 the KV cache, level 2 also the weights (kept in host
+        memory). Generating while asleep raises an error. Returns the bytes released."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Undo `sleep` (`tags`: "weights" and/or "kv_cache"; default both); returns the bytes restored."""
+        return self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

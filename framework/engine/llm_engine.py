@@ -40,6 +40,8 @@ class LLMEngine:
         self.core = EngineCore(self.spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # outputs of steps run while draining for a weight update / sleep, for the next step()
+        self._drained: list[RequestOutput | EmbeddingRequestOutput] = []
 
     @property
     def plan(self):
@@ -81,6 +83,12 @@ class LLMEngine:
                 self.output_processor.abort_request(rid)
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        if self._drained:
+            outputs, self._drained = self._drained, []
+            return outputs
+        return self._step()
+
+    def _step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         core_outputs = self.core.step()
         outputs, to_finish = self.output_processor.process_outputs(core_outputs)
         if to_finish:
@@ -88,13 +96,55 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or bool(self.output_processor.parents)
+        return self.core.has_unfinished_requests() or bool(self.output_processor.parents) or bool(self._drained)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
     def stats(self):
         return self.core.stats()
+
+    # ----- weight updates and sleep: the running requests finish first (old weights) -----
+
+    def _drain(self) -> None:
+        while self.core.has_unfinished_requests():
+            self._drained.extend(self._step())
+
+    def _after_update(self, result: dict) -> dict:
+        self.output_processor.weights_version = self.core.weights_version
+        return result
+
+    @property
+    def weights_version(self) -> int:
+        return self.core.weights_version
+
+    def update_weights(self, path: str) -> dict:
+        self._drain()
+        return self._after_update(self.core.update_weights(path))
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 timeout_s: float | None = None) -> dict:
+        return self.core.init_weight_update_group(master_address, master_port, rank_offset, world_size, timeout_s)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes) -> dict:
+        self._drain()
+        return self._after_update(self.core.update_weights_from_distributed(names, dtypes, shapes))
+
+    def destroy_weight_update_group(self) -> None:
+        self.core.destroy_weight_update_group()
+
+    def sleep(self, level: int = 1) -> dict:
+        self._drain()
+        return self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        return self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -8,7 +8,10 @@ component up by name in its own plugin registry — it never re-selects.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+
+import torch
 
 from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
@@ -68,6 +71,132 @@ class Worker:
         out = self.runner.execute_model(sched)
         return out if self.where.rank == 0 else None
 
+    # ----- live weight updates (see weight_update.py), sleep / wake ----------------------
+
+    def weights_info(self) -> dict:
+        """This rank's parameters: how many tensors and bytes it holds, and where."""
+        from .weight_update import _unique_params
+
+        params = _unique_params(self.runner.model)
+        return {
+            "rank": self.where.rank,
+            "pid": os.getpid(),
+            "num_tensors": len(params),
+            "num_bytes": sum(p.numel() * p.element_size() for p in params),
+            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.runner.kv_caches),
+            "sleep_level": self._sleep_level,
+        }
+
+    @property
+    def _sleep_level(self) -> int:
+        """2: weights offloaded (and KV released), 1: KV cache released, 0: awake."""
+        if getattr(self, "_offloaded", None):
+            return 2
+        return 1 if getattr(self, "_kv_released", False) else 0
+
+    def _stager(self):
+        from .weight_update import WeightStager
+
+        if getattr(self, "_weight_stager", None) is None:
+            self._weight_stager = WeightStager(self.runner.model)
+        return self._weight_stager
+
+    def stage_weights_from_folder(self, path: str):
+        """Load a checkpoint folder into staged copies of this rank's shards (StageResult)."""
+        from portaserve.framework.checkpoint import iter_safetensors
+
+        from .weight_update import stage_safely
+
+        return stage_safely(self._stager(), iter_safetensors(path, progress=False), partial=False)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 timeout_s: float):
+        """Join the trainer's weight-update group as rank `rank_offset + rank` (StageResult)."""
+        from .weight_update import StageResult, WeightUpdateCommunicator, _dist_backend
+
+        self.destroy_weight_update_group()
+        try:
+            cls = self.registry.get("communicators", self.spec.plan.communicator.name)
+            self._update_comm = WeightUpdateCommunicator(
+                rank_offset + self.where.rank, world_size, self.runner.device, master_address, master_port,
+                _dist_backend(cls), timeout_s,
+            )
+        except Exception as exc:  # a failed rendezvous must not take the engine down
+            return StageResult(False, error_param="master_address", error=f"cannot join the weight-update group at "
+                               f"{master_address}:{master_port}: {type(exc).__name__}: {exc}")
+        return StageResult(True)
+
+    def destroy_weight_update_group(self) -> None:
+        comm = getattr(self, "_update_comm", None)
+        if comm is not None:
+            comm.destroy()
+        self._update_comm = None
+
+    def stage_weights_from_distributed(self, specs, rejection: str | None):
+        """Take part in one trainer broadcast: the verdict, then (if nobody rejected) every
+        announced tensor into staged copies (StageResult). A rank that fails while staging
+        still receives the remaining tensors, so the trainer never blocks."""
+        from .weight_update import StageResult, exchange_verdict, receive_weights, stage_safely
+
+        comm = getattr(self, "_update_comm", None)
+        if comm is None:
+            return StageResult(False, error_param="init_weight_update_group", error="no weight-update group: call "
+                               "init_weight_update_group first")
+        if not exchange_verdict(comm, rejected=rejection is not None):
+            return StageResult(False, error_param="weights", error=rejection or "the update was rejected by another "
+                               "member of the weight-update group")
+        incoming = receive_weights(comm, specs, self.runner.device)
+        try:
+            return stage_safely(self._stager(), incoming, partial=True)
+        finally:
+            for _ in incoming:  # keep in step with the trainer after a failure
+                pass
+
+    def commit_staged_weights(self) -> int:
+        return self._stager().commit()
+
+    def discard_staged_weights(self) -> None:
+        self._stager().discard()
+
+    def sleep(self, level: int) -> dict:
+        """Release the KV cache; level 2 also moves the weights to host memory and frees
+        their device storage. Returns the bytes released."""
+        from .weight_update import _unique_params
+
+        runner = self.runner
+        kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        if runner.kv_caches:
+            runner.release_kv_cache()
+            self._kv_released = True
+        weight_bytes = 0
+        if level >= 2 and not getattr(self, "_offloaded", None):
+            self._offloaded = []
+            for param in _unique_params(runner.model):
+                host = param.data.to("cpu", copy=True)
+                weight_bytes += param.numel() * param.element_size()
+                # an empty tensor in place of the data: the device storage is freed, the
+                # Parameter object (and every tie to it) stays
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                self._offloaded.append((param, host))
+        self.platform.synchronize(self.where.local_rank)
+        return {"kv_cache_bytes": kv_bytes, "weights_bytes": weight_bytes}
+
+    def wake_up(self, tags: list[str]) -> dict:
+        """Restore what `sleep` released: "weights" back on the device, "kv_cache" reallocated."""
+        runner = self.runner
+        weight_bytes = kv_bytes = 0
+        if "weights" in tags and getattr(self, "_offloaded", None):
+            for param, host in self._offloaded:
+                param.data = host.to(runner.device)
+                weight_bytes += param.numel() * param.element_size()
+            self._offloaded = []
+        if "kv_cache" in tags and getattr(self, "_kv_released", False):
+            runner.initialize_kv_cache(runner.num_blocks)
+            kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+            self._kv_released = False
+        return {"kv_cache_bytes": kv_bytes, "weights_bytes": weight_bytes}
+
     def shutdown(self) -> None:
+        self.destroy_weight_update_group()
         if self.communicator is not None:
             self.communicator.destroy()

@@ -1,0 +1,77 @@
+"""Tensor parallelism through the multiprocess executor: TP=2 (two spawned worker
+processes, gloo) gives exactly the greedy tokens of TP=1 for every causal architecture,
+and each rank holds only its shard of the model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from portaserve import LLM
+from portaserve.framework.executor.weight_update import read_checkpoint_specs
+
+from .util import CAUSAL_ARCHS, ENGINE_KW, generate_ids, prompts_of
+
+# Mixed lengths: single-block, multi-block and chunked (> max_num_batched_tokens) prompts.
+PROMPTS = prompts_of([3, 17, 40, 90], seed=7)
+
+# What each tiny checkpoint exercises under TP=2 (see models/checkpoints.py):
+CASES = {
+    "LlamaForCausalLM": "untied embeddings, head_dim 32 != hidden/heads, 2 KV heads split 1 per rank",
+    "Qwen2ForCausalLM": "tied embeddings, qkv bias, a sliding-window layer",
+    "Qwen3ForCausalLM": "1 KV head < 2 ranks (replicated), q/k norm, tied embeddings",
+    "MistralForCausalLM": "untied embeddings, sliding window 8",
+}
+
+
+def _rank_info(llm):
+    return llm.llm_engine.core.executor.call_workers("weights_info")
+
+
+@pytest.mark.parametrize("arch", CAUSAL_ARCHS)
+def test_tp2_matches_tp1(arch, checkpoint, reference_ids):
+    assert arch in CASES
+    folder = checkpoint(arch)
+    expected = reference_ids(PROMPTS, 10, arch)
+    llm = LLM(folder, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE_KW)
+    try:
+        assert generate_ids(llm, PROMPTS, 10) == expected
+        ranks = _rank_info(llm)
+    finally:
+        llm.shutdown()
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert len({r["pid"] for r in ranks}) == 2, "each rank runs in its own process"
+    # Every matrix is split (norms and replicated KV heads are a few KiB): no rank holds
+    # the model, each holds about half of it.
+    full = sum(math.prod(s.shape) * 4 for s in read_checkpoint_specs(folder).values())  # float32
+    for r in ranks:
+        assert abs(r["num_bytes"] - full / 2) < 0.03 * full, (r, full)
+
+
+def test_tp2_untied_qwen2(checkpoint, reference_ids):
+    """Qwen2 with its own LM head (the tiny checkpoint ties it)."""
+    options = {"config_overrides": {"tie_word_embeddings": False}}
+    folder = checkpoint("Qwen2ForCausalLM", 0, **options)
+    expected = reference_ids(PROMPTS, 6, "Qwen2ForCausalLM", 0, **options)
+    llm = LLM(folder, tensor_parallel_size=2, **ENGINE_KW)  # backend auto: mp for TP > 1
+    try:
+        assert generate_ids(llm, PROMPTS, 6) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_tp4_replicates_kv_heads(checkpoint, reference_ids):
+    """Llama tiny has 2 KV heads: under TP=4 each KV head lives on 2 ranks."""
+    folder = checkpoint("LlamaForCausalLM")
+    expected = reference_ids(PROMPTS[:2], 6, "LlamaForCausalLM")
+    llm = LLM(folder, tensor_parallel_size=4, **ENGINE_KW)
+    try:
+        assert generate_ids(llm, PROMPTS[:2], 6) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_uni_backend_rejects_tp2(checkpoint):
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(checkpoint("Qwen2ForCausalLM"), tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE_KW)
