@@ -164,6 +164,9 @@ class AsyncLLM:
             elif kind == "result":
                 _, call_id, ok, value = msg
                 fut = self._calls.pop(call_id, None)
+                if ok and isinstance(value, dict) and "weights_version" in value:
+                    # before any later output is dispatched: those ran on the new weights
+                    self.output_processor.weights_version = int(value["weights_version"])
                 if fut is not None and not fut.done():
                     if ok:
                         fut.set_result(value)
@@ -246,3 +249,8 @@ class AsyncLLM:
 
     def num_in_flight(self) -> int:
         return len(self.queues)
+
+    @property
+    def weights_version(self) -> int:
+        """0 at start, +1 per successful weight update (reported in /v1/models)."""
+        return self.output_processor.weights_version

@@ -26,8 +26,12 @@ logger = logging.getLogger("portaserve")
 
 # Methods of EngineCore the client may call through ("call", ...).
 CALLABLE_METHODS = frozenset(
-    {"stats", "reset_prefix_cache", "update_weights", "sleep", "wake_up", "is_sleeping", "weights_info", "check_health"}
+    {"stats", "reset_prefix_cache", "update_weights", "sleep", "wake_up", "is_sleeping", "weights_info", "check_health",
+     "init_weight_update_group", "update_weights_from_distributed", "destroy_weight_update_group"}
 )
+# Calls that first let the requests already in the engine finish (on the old weights);
+# requests that arrive meanwhile are held and added once the call has returned.
+DRAINING_METHODS = frozenset({"update_weights", "update_weights_from_distributed", "sleep"})
 
 
 def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
@@ -57,20 +61,37 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
     send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid()}))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    deferred: list[tuple] = []  # DRAINING_METHODS calls waiting for the running requests
+    held: list[Any] = []  # requests that arrived while a deferred call waits
     try:
         while True:
             # Block while idle; with work queued, only drain what has already arrived.
-            timeout = 0 if core.has_unfinished_requests() else None
+            timeout = 0 if core.has_unfinished_requests() or deferred else None
             events = dict(poller.poll(timeout))
             while inbox in events:
                 msg = pickle.loads(inbox.recv())
                 if msg[0] == "shutdown":
                     return
-                _handle(core, msg, send)
+                if msg[0] == "call" and msg[2] in DRAINING_METHODS and msg[2] in CALLABLE_METHODS:
+                    deferred.append(msg)
+                elif msg[0] == "add" and deferred:
+                    held.extend(msg[1])
+                else:
+                    if msg[0] == "abort" and held:
+                        gone = set(msg[1])
+                        held = [r for r in held if r.request_id not in gone]
+                    _handle(core, msg, send)
                 events = dict(poller.poll(0))
             if core.has_unfinished_requests():
                 outputs = core.step()
                 send(("outputs", outputs, core.stats()))
+            elif deferred:
+                for msg in deferred:
+                    _handle(core, msg, send)
+                deferred = []
+                if held:
+                    _handle(core, ("add", held), send)
+                    held = []
     except BaseException as exc:  # a dead engine must say why, then exit
         send(("dead", f"engine core died: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
