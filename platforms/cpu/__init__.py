@@ -14,7 +14,12 @@ def portaserve_platform():
 
 @hookimpl
 def portaserve_attention_backends():
-    return {"cpu_paged": "portaserve.platforms.cpu.attention:CpuPagedAttentionBackend"}
+    # Triton runs on the CPU only under TRITON_INTERPRET=1 (for tests); the platform
+    # declares the "triton" feature only then, and never prefers it.
+    return {
+        "cpu_paged": "portaserve.platforms.cpu.attention:CpuPagedAttentionBackend",
+        "triton": "portaserve.kernels.triton_backend:TritonAttentionBackend",
+    }
 
 
 @hookimpl

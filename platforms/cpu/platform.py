@@ -81,7 +81,7 @@ class CpuPlatform(Platform):
         return PlatformCapabilities(
             dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
             kv_cache_dtypes=frozenset({"auto"}),
-            features=frozenset({"int8_matmul"}),
+            features=frozenset({"int8_matmul"} | ({"triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())),
             compile_backends={"default": "inductor", "max": "inductor"},
             default_compilation_mode="none",
         )

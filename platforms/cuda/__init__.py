@@ -2,8 +2,8 @@
 
 Nothing here imports torch.cuda state at import time; the classes are imported when the
 loader calls the hooks, and the probe touches the CUDA runtime only inside `probe()`.
-Attention backends for this platform (Triton, SDPA) are registered by the plugins that
-implement them; the platform only names its preference order.
+The Triton attention backend and fused ops (portaserve.kernels) are registered here,
+imported only when the plan binds them.
 """
 
 from portaserve.framework.hookspecs import hookimpl
@@ -26,3 +26,15 @@ def portaserve_communicators():
 @hookimpl
 def portaserve_kv_cache_allocators():
     return {"cuda": "portaserve.platforms.cuda.kv_cache:CudaKVCacheAllocator"}
+
+
+@hookimpl
+def portaserve_attention_backends():
+    return {"triton": "portaserve.kernels.triton_backend:TritonAttentionBackend"}
+
+
+@hookimpl
+def portaserve_custom_ops():
+    from portaserve.kernels.ops import triton_ops  # imports no triton
+
+    return triton_ops(frozenset({"cuda"}))

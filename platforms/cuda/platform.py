@@ -88,7 +88,7 @@ class CudaPlatform(Platform):
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:
-        return ("triton", "flash_sdpa")
+        return ("triton",)
 
     def default_communicator(self) -> str:
         return "nccl"

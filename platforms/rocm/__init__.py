@@ -25,3 +25,15 @@ def portaserve_communicators():
 @hookimpl
 def portaserve_kv_cache_allocators():
     return {"rocm": "portaserve.platforms.rocm.kv_cache:RocmKVCacheAllocator"}
+
+
+@hookimpl
+def portaserve_attention_backends():
+    return {"triton": "portaserve.kernels.triton_backend:TritonAttentionBackend"}
+
+
+@hookimpl
+def portaserve_custom_ops():
+    from portaserve.kernels.ops import triton_ops  # imports no triton
+
+    return triton_ops(frozenset({"rocm"}))

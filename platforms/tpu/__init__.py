@@ -25,3 +25,8 @@ def portaserve_communicators():
 @hookimpl
 def portaserve_kv_cache_allocators():
     return {"tpu": "portaserve.platforms.tpu.kv_cache:XlaKVCacheAllocator"}
+
+
+@hookimpl
+def portaserve_attention_backends():
+    return {"xla_paged": "portaserve.kernels.xla_attention:XlaPagedAttentionBackend"}

@@ -96,7 +96,7 @@ class XpuPlatform(Platform):
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:
-        return ("triton", "ipex_paged")
+        return ("triton",)
 
     def default_communicator(self) -> str:
         return "xccl"
