@@ -39,6 +39,7 @@ from portaserve.framework.server.serving_completion import CompletionService
 from portaserve.framework.server.serving_embedding import EmbeddingService
 from portaserve.framework.server.serving_tokens import TokenService
 from portaserve.framework.server.state import ServerSettings, ServerState
+from portaserve.framework.server.weights_routes import router as weights_router
 
 logger = logging.getLogger("portaserve.server")
 
@@ -230,6 +231,8 @@ def create_app(
     @app.post("/inference/v1/generate")
     async def generate(request: GenerateRequest, raw: Request):
         return await tokens.generate(request, raw)
+
+    app.include_router(weights_router)  # live weight updates, sleep / wake (weights_routes.py)
 
     app.add_middleware(GatewayMiddleware, state=state)
     app.add_middleware(

@@ -1,0 +1,96 @@
+"""Routes for RL loops: live weight updates and sleep / wake (vLLM's and SGLang's names).
+
+- `POST /v1/update_weights` `{"path": "/ckpt/step-100"}`: reload from a checkpoint folder.
+- `POST /v1/init_weight_update_group` `{"master_address", "master_port", "rank_offset",
+  "world_size"}`: join a trainer's process group (the trainer is rank 0).
+- `POST /v1/update_weights_from_distributed` `{"names", "dtypes", "shapes"}`: receive the
+  trainer's broadcast of those tensors.
+- `POST /v1/destroy_weight_update_group`, `GET /v1/weights_info`.
+- `POST /sleep?level=1|2`, `POST /wake_up[?tags=weights&tags=kv_cache]`, `GET /is_sleeping`.
+
+Requests already running when an update or sleep arrives finish on the old weights;
+requests sent meanwhile wait and run on the new ones (while asleep they are rejected).
+Each successful update raises the weights version `/v1/models` reports. A bad update
+answers 400 in OpenAI's error shape, naming the tensor, and the old weights keep serving.
+The API key applies here as on every route but /health (the gateway middleware).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+router = APIRouter()
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., min_length=1, description="checkpoint folder, readable on every node")
+
+
+class InitWeightUpdateGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(..., min_length=1)
+    master_port: int = Field(..., ge=1, le=65535)
+    rank_offset: int = Field(1, ge=1, description="group rank of this engine's rank 0 (the trainer is rank 0)")
+    world_size: int = Field(..., ge=2)
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(..., min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+async def _call(raw: Request, method: str, *args: Any) -> Any:
+    engine = raw.app.state.portaserve.require_engine()
+    return await engine.call(method, *args)
+
+
+@router.post("/v1/update_weights")
+async def update_weights(body: UpdateWeightsRequest, raw: Request):
+    return await _call(raw, "update_weights", body.path)
+
+
+@router.post("/v1/init_weight_update_group")
+async def init_weight_update_group(body: InitWeightUpdateGroupRequest, raw: Request):
+    return await _call(raw, "init_weight_update_group", body.master_address, body.master_port, body.rank_offset,
+                       body.world_size, body.timeout_s)
+
+
+@router.post("/v1/update_weights_from_distributed")
+async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest, raw: Request):
+    return await _call(raw, "update_weights_from_distributed", body.names, body.dtypes, body.shapes)
+
+
+@router.post("/v1/destroy_weight_update_group")
+async def destroy_weight_update_group(raw: Request):
+    await _call(raw, "destroy_weight_update_group")
+    return {"ok": True}
+
+
+@router.get("/v1/weights_info")
+async def weights_info(raw: Request):
+    return await _call(raw, "weights_info")
+
+
+@router.post("/sleep")
+async def sleep(raw: Request, level: int = Query(1, ge=1, le=2)):
+    return await _call(raw, "sleep", level)
+
+
+@router.post("/wake_up")
+async def wake_up(raw: Request, tags: list[str] | None = Query(None)):
+    return await _call(raw, "wake_up", tags)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(raw: Request):
+    return {"is_sleeping": bool(await _call(raw, "is_sleeping"))}
