@@ -11,12 +11,17 @@ search, `best_of` > `n`, per-request logits processors, audio, `suffix`, the dep
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from portaserve.framework.errors import InvalidParameterError, invalid
+
+
+logger = logging.getLogger("portaserve.server")
+_reported: set[str] = set()
 
 
 class OpenAIBaseModel(BaseModel):
@@ -26,6 +31,13 @@ class OpenAIBaseModel(BaseModel):
 
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
+
+    def report_ignored(self) -> None:
+        """Log (once per field name) the unknown fields a request carried."""
+        new = [f for f in self.ignored_fields() if f not in _reported]
+        if new and len(_reported) < 1000:
+            _reported.update(new)
+            logger.warning("%s: ignoring unknown field(s) %s", type(self).__name__, ", ".join(new))
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -107,6 +119,7 @@ class SamplingRequest(OpenAIBaseModel):
 
     def unsupported_fields(self) -> None:
         """Raise for any field that changes the output but is not supported yet."""
+        self.report_ignored()
         fmt = self.response_format
         if fmt is not None and fmt.type != "text":
             raise invalid("response_format", f"{fmt.type!r}: structured output is not supported yet; only 'text' is")

@@ -452,3 +452,71 @@ def test_prefix_cache_hits_in_metrics(client, http):
     for _ in range(2):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
     assert metric(scrape(http), "portaserve:prefix_cache_hits_total") - hits_before >= 32
+
+
+# ----- chat rendering details ----------------------------------------------------------------------
+
+
+def test_content_parts_and_continue_final_message(client, http):
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    parts = client.chat.completions.create(
+        model="tiny", max_tokens=2, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}])
+    joined = tokenize_chat(http, [{"role": "user", "content": "Hello\nthere"}])["count"]
+    assert parts.usage.prompt_tokens == joined and plain.usage.prompt_tokens == tokenize_chat(http)["count"]
+    convo = MESSAGES + [{"role": "assistant", "content": "The answer starts"}]
+    tok = http.post("/tokenize", json={"messages": convo, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()
+    text = http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text.endswith("The answer starts")
+    r = http.post("/v1/chat/completions", json={"messages": convo, "add_generation_prompt": False,
+                                                 "continue_final_message": True, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tok["count"]
+    err = error_of(http.post("/v1/chat/completions", json={"messages": convo, "continue_final_message": True}), 400)
+    assert err["param"] == "continue_final_message"
+    err = error_of(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400)
+    assert "image_url" in err["message"]
+
+
+def test_model_without_chat_template_is_400(srv, http, monkeypatch):
+    monkeypatch.setattr(srv.engine.tokenizer, "chat_template", None)
+    err = error_of(http.post("/v1/chat/completions", json={"messages": MESSAGES}), 400)
+    assert err["param"] == "chat_template" and "--chat-template" in err["message"]
+
+
+def test_tracing_spans(client, http):
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    if trace.get_tracer_provider() is not provider:
+        pytest.skip("another tracer provider is already installed in this process")
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3},
+                  headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert r.status_code == 200
+    spans = [s for s in exporter.get_finished_spans() if s.name == "chat.completions"]
+    assert spans, exporter.get_finished_spans()
+    span = spans[-1]
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert span.attributes["gen_ai.request.model"] == "tiny"
+    assert span.attributes["gen_ai.usage.completion_tokens"] == 3
+    assert span.attributes["gen_ai.usage.prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
+def test_vllm_sampling_extras_reach_the_sampler(client):
+    greedy = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0).choices[0].text
+    top1 = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=1.0, seed=7,
+                                     extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy
+    sampled = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=1.0, seed=7).choices[0].text
+    assert sampled != greedy
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
+                                  extra_body={"min_tokens": 6, "ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.0})
+    assert r.usage.completion_tokens == 6
