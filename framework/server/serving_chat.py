@@ -53,6 +53,7 @@ from portaserve.framework.server.serving_common import (
     until_disconnected,
 )
 from portaserve.framework.server.state import ServerState
+from portaserve.framework.server.tracing import end_span
 
 
 @dataclass(slots=True)
@@ -203,7 +204,7 @@ class ChatService:
     async def _create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         plan = self.plan(req, raw)
         state = self.state
-        span_cm = state.tracer.span(
+        span = state.tracer.start(
             "chat.completions", raw.headers, **{
                 "gen_ai.request.id": plan.response_id, "gen_ai.request.model": plan.model,
                 "gen_ai.request.max_tokens": plan.params.max_tokens, "gen_ai.request.temperature": plan.params.temperature,
@@ -215,18 +216,20 @@ class ChatService:
             state, plan.engine_id, {"prompt": plan.prompt_text, "prompt_token_ids": plan.prompt_ids}, plan.params,
             num_prompt_tokens=len(plan.prompt_ids), priority=req.priority, cache_salt=req.cache_salt,
         )
-        with span_cm as span:
+        try:
             first, gen = await prime(gen)
             if req.stream:
-                return SSEResponse(sse_stream(self._stream(plan, first, gen)))
+                return SSEResponse(sse_stream(self._stream(plan, first, gen, span)))
             final = first
             async for out in gen:
                 final = out
             body = self._full_response(plan, final)
-            if span is not None:
-                span.set_attribute("gen_ai.usage.completion_tokens", body.usage.completion_tokens)
-                span.set_attribute("gen_ai.response.finish_reasons", [c.finish_reason or "" for c in body.choices])
-            return JSONResponse(body.model_dump(mode="json"))
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
+        end_span(span, **{"gen_ai.usage.completion_tokens": body.usage.completion_tokens,
+                          "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in body.choices]})
+        return JSONResponse(body.model_dump(mode="json"))
 
     def _token_text(self, req: ChatCompletionRequest) -> TokenText:
         as_ids = req.return_tokens_as_token_ids if req.return_tokens_as_token_ids is not None else self.state.settings.return_tokens_as_token_ids
@@ -263,7 +266,19 @@ class ChatService:
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
         )
 
-    async def _stream(self, plan: ChatPlan, first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def _stream(self, plan: ChatPlan, first: Any, gen: AsyncIterator[Any], span: Any = None) -> AsyncIterator[str]:
+        counts: list[int] = []
+        error = None
+        try:
+            async for event in self._stream_events(plan, first, gen, counts):
+                yield event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            end_span(span, error, **{"gen_ai.usage.completion_tokens": sum(counts)})
+
+    async def _stream_events(self, plan: ChatPlan, first: Any, gen: AsyncIterator[Any], counts: list[int]) -> AsyncIterator[str]:
         req = plan.request
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -271,7 +286,8 @@ class ChatService:
         text_of = self._token_text(req)
         n = plan.params.n
         parsers = [_ChoiceParser(self.state, plan, self.state.engine.tokenizer) for _ in range(n)]
-        num_tokens = [0] * n
+        num_tokens = counts
+        num_tokens.extend([0] * n)
         num_calls = [0] * n
         num_prompt = len(plan.prompt_ids)
         num_cached = 0
@@ -289,8 +305,6 @@ class ChatService:
 
         for i in range(n):
             delta: dict[str, Any] = {"role": role, "content": ""}
-            if plan.echo_text:
-                delta["content"] = ""
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], running_usage())
         echo_pending = [plan.echo_text] * n
 

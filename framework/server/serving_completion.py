@@ -34,6 +34,7 @@ from portaserve.framework.server.serving_common import (
     until_disconnected,
 )
 from portaserve.framework.server.state import ServerState
+from portaserve.framework.server.tracing import end_span
 
 
 @dataclass(slots=True)
@@ -127,17 +128,39 @@ class CompletionService:
             for _, g in gens:
                 await g.aclose()
             raise
-        with self.state.tracer.span("completions", raw.headers, **{"gen_ai.request.id": plan.response_id,
-                                                                 "gen_ai.request.model": plan.model}):
-            if req.stream:
-                return SSEResponse(sse_stream(self._stream(plan, gens)))
+        span = self.state.tracer.start("completions", raw.headers, **{
+            "gen_ai.request.id": plan.response_id, "gen_ai.request.model": plan.model,
+            "gen_ai.request.max_tokens": plan.params.max_tokens, "gen_ai.request.n": plan.params.n,
+            "gen_ai.usage.prompt_tokens": sum(len(p.ids) for p in plan.prompts),
+        })
+        if req.stream:
+            return SSEResponse(sse_stream(self._traced(self._stream(plan, gens), span)))
+        try:
             finals = []
             for first, gen in gens:
                 final = first
                 async for out in gen:
                     final = out
                 finals.append(final)
-            return JSONResponse(self._full_response(plan, finals).model_dump(mode="json"))
+            body = self._full_response(plan, finals)
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
+        end_span(span, **{"gen_ai.usage.completion_tokens": body.usage.completion_tokens})
+        return JSONResponse(body.model_dump(mode="json"))
+
+    @staticmethod
+    async def _traced(events: AsyncIterator[str], span: Any) -> AsyncIterator[str]:
+        error = None
+        try:
+            async for event in events:
+                yield event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await events.aclose()
+            end_span(span, error)
 
     def _full_response(self, plan: CompletionPlan, finals: list[Any]) -> CompletionResponse:
         req = plan.request

@@ -11,9 +11,7 @@ is configured, by the application embedding the server or by
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger("portaserve.server")
@@ -46,7 +44,11 @@ def configure_otlp(endpoint: str, service_name: str = "portaserve") -> None:
 
 
 class Tracer:
-    """Request spans, or nothing when opentelemetry is not installed."""
+    """Request spans, or nothing when opentelemetry is not installed.
+
+    Spans are started and ended explicitly (not made current), so a streamed response's
+    span can end in the task that streams it, when the last event is sent.
+    """
 
     def __init__(self) -> None:
         trace = _api()
@@ -56,12 +58,10 @@ class Tracer:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    @contextlib.contextmanager
-    def span(self, name: str, headers: Any = None, **attributes: Any) -> Iterator[Any]:
-        """A span for one request (a child of a `traceparent` header's context, if any)."""
+    def start(self, name: str, headers: Any = None, **attributes: Any) -> Any:
+        """A started span for one request (a child of a `traceparent` header's context, if any), or None."""
         if self._tracer is None:
-            yield None
-            return
+            return None
         ctx = None
         if headers is not None and "traceparent" in headers:
             try:
@@ -70,9 +70,19 @@ class Tracer:
                 ctx = TraceContextTextMapPropagator().extract(dict(headers))
             except Exception:  # a malformed header must not fail the request
                 ctx = None
-        with self._tracer.start_as_current_span(name, context=ctx) as span:
-            set_attributes(span, attributes)
-            yield span
+        span = self._tracer.start_span(name, context=ctx)
+        set_attributes(span, attributes)
+        return span
+
+
+def end_span(span: Any, error: BaseException | None = None, **attributes: Any) -> None:
+    """Record the final attributes (and an error) and end the span; None is a no-op."""
+    if span is None:
+        return
+    set_attributes(span, attributes)
+    if error is not None:
+        span.record_exception(error)
+    span.end()
 
 
 def set_attributes(span: Any, attributes: dict[str, Any]) -> None:

@@ -508,6 +508,9 @@ def test_tracing_spans(client, http):
     assert span.attributes["gen_ai.request.model"] == "tiny"
     assert span.attributes["gen_ai.usage.completion_tokens"] == 3
     assert span.attributes["gen_ai.usage.prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    # a streamed response's span ends with the stream, counting what it sent
+    list(client.completions.create(model="tiny", prompt="trace me", max_tokens=4, stream=True))
+    assert wait_for(lambda: [s for s in exporter.get_finished_spans() if s.name == "completions"], 5)
 
 
 def test_vllm_sampling_extras_reach_the_sampler(client):
