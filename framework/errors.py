@@ -18,6 +18,10 @@ class InvalidParameterError(PortaserveError, ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):
+        # picklable with both arguments: errors cross from the engine process to the server
+        return (type(self), (self.param, str(self)))
+
 
 class UnsupportedError(PortaserveError, ValueError):
     """A valid request that the chosen platform or model cannot serve (plan-time errors)."""

@@ -126,7 +126,7 @@ def _handle(core: Any, msg: tuple, send) -> None:
             send(("result", call_id, True, value))
         except Exception as exc:
             try:
-                pickle.dumps(exc)
+                pickle.loads(pickle.dumps(exc))  # the client must be able to rebuild it
             except Exception:
                 exc = RuntimeError(f"{type(exc).__name__}: {exc}")
             send(("result", call_id, False, exc))
