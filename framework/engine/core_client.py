@@ -120,7 +120,8 @@ class AsyncLLM:
         self._shutting_down = True
         try:
             if self._proc is not None and self._proc.is_alive():
-                await self._send(("shutdown",))
+                if self.dead_reason is None:  # a dead core is exiting already: just wait
+                    await self._send(("shutdown",))
                 await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
                 if self._proc.is_alive():
                     self._proc.kill()

@@ -15,6 +15,7 @@ Output messages: ("ready", info), ("outputs", [EngineCoreOutput], SchedulerStats
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -39,6 +40,10 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    # The client starts this process as a daemon (it dies with the client), and
+    # multiprocessing forbids a daemon to start processes; tensor-parallel workers are
+    # children of this process, so it must not count as one from the inside.
+    multiprocessing.current_process()._config["daemon"] = False
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)

@@ -107,6 +107,7 @@ class MultiprocExecutor(Executor):
                     results[r] = value
                     pending.discard(r)
                 elif proc.sentinel in ready or not proc.is_alive():
+                    proc.join(0.5)  # the exit code is known once the process is reaped
                     self._fail(r, f"worker process died (exit code {proc.exitcode})")
         return results
 

@@ -1,0 +1,72 @@
+"""Sleep / wake for RL loops: level 1 releases the KV cache, level 2 also moves the weights
+to host memory (their device storage is freed); wake_up restores both and the engine
+generates exactly what it did before. Requests while asleep are rejected."""
+
+from __future__ import annotations
+
+import pytest
+
+from portaserve import LLM
+from portaserve.framework.errors import InvalidParameterError
+
+from .util import ENGINE_KW, generate_ids, prompts_of
+
+ARCH = "Qwen2ForCausalLM"
+PROMPTS = prompts_of([7, 33], seed=5)
+
+
+def _kv_bytes(llm) -> int:
+    return sum(r["kv_cache_bytes"] for r in llm.llm_engine.core.executor.call_workers("weights_info"))
+
+
+def test_sleep_levels_release_and_restore_memory(checkpoint, reference_ids):
+    llm = LLM(checkpoint(ARCH), **ENGINE_KW)
+    try:
+        want = reference_ids(PROMPTS, 8, ARCH, 0)
+        assert generate_ids(llm, PROMPTS) == want
+        kv = _kv_bytes(llm)
+        model = llm.llm_engine.core.executor.worker.runner.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        released = llm.sleep(level=1)
+        assert released == {"level": 1, "kv_cache_bytes": kv, "weights_bytes": 0}
+        assert llm.is_sleeping() and _kv_bytes(llm) == 0
+        with pytest.raises(InvalidParameterError, match="sleeping"):
+            llm.generate(PROMPTS, use_tqdm=False)
+        assert llm.wake_up() == {"sleep_level": 0, "kv_cache_bytes": kv, "weights_bytes": 0}
+        assert not llm.is_sleeping()
+        assert generate_ids(llm, PROMPTS) == want
+
+        released = llm.sleep(level=2)
+        assert released["kv_cache_bytes"] == kv and released["weights_bytes"] == weight_bytes
+        # the device tensors' storage is gone (on the CPU too), the parameters remain
+        assert all(p.numel() == 0 for p in model.parameters())
+        with pytest.raises(InvalidParameterError, match="wake_up first"):
+            llm.update_weights(checkpoint(ARCH, 1))
+        restored = llm.wake_up(tags=["weights"])
+        assert restored["weights_bytes"] == weight_bytes and restored["sleep_level"] == 1
+        assert llm.is_sleeping()  # the KV cache is still released
+        # RL loop order: weights back, new weights in, then the KV cache
+        llm.update_weights(checkpoint(ARCH, 1))
+        assert llm.wake_up(tags=["kv_cache"])["kv_cache_bytes"] == kv
+        assert generate_ids(llm, PROMPTS) == reference_ids(PROMPTS, 8, ARCH, 1)
+        with pytest.raises(InvalidParameterError, match="level"):
+            llm.sleep(level=3)
+        with pytest.raises(InvalidParameterError, match="tags"):
+            llm.wake_up(tags=["gpu"])
+    finally:
+        llm.shutdown()
+
+
+def test_sleep_and_wake_under_tp2(checkpoint, reference_ids):
+    llm = LLM(checkpoint(ARCH), tensor_parallel_size=2, **ENGINE_KW)
+    try:
+        want = reference_ids(PROMPTS, 8, ARCH, 0)
+        kv = _kv_bytes(llm)
+        released = llm.sleep(level=2)
+        assert released["kv_cache_bytes"] == kv > 0 and released["weights_bytes"] > 0
+        restored = llm.wake_up()
+        assert restored["kv_cache_bytes"] == kv and restored["weights_bytes"] == released["weights_bytes"]
+        assert generate_ids(llm, PROMPTS) == want
+    finally:
+        llm.shutdown()
