@@ -9,7 +9,12 @@ PORTASERVE_CONTRACT = "1.0"
 
 @hookimpl
 def portaserve_quant_methods():
-    return {"none": "portaserve.framework.unquantized:UnquantizedMethod"}
+    return {
+        "none": "portaserve.framework.unquantized:UnquantizedMethod",
+        "int8": "portaserve.framework.quantization.int8:Int8WeightOnlyMethod",
+        "fp8": "portaserve.framework.quantization.fp8:Fp8Method",
+        "compressed-tensors": "portaserve.framework.quantization.compressed_tensors:CompressedTensorsMethod",
+    }
 
 
 _PARSERS = "portaserve.framework.server.parsers"

@@ -55,6 +55,7 @@ class LayerContext:
         cls = self.registry.get("quant_methods", self.plan.quantization.name)
         method = cls(dict(self.plan.quantization_config))
         method.prefix = prefix
+        method.platform_features = frozenset(self.plan.platform_features)
         return method
 
     def attention_backend(self, layer_type: str) -> AttentionBackend:

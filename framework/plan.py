@@ -58,6 +58,8 @@ class ExecutionPlan:
     custom_ops: tuple[tuple[str, str], ...] = ()  # (op, implementation name or "torch")
     tensor_parallel_size: int = 1
     quantization_config: Mapping[str, Any] = field(default_factory=dict)
+    #: The platform's declared features (QuantMethods pick variants by them, e.g. an fp8 flavour).
+    platform_features: tuple[str, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -153,6 +155,7 @@ def resolve_plan(
         custom_ops=_choose_ops(registry, platform),
         tensor_parallel_size=config.tensor_parallel_size,
         quantization_config=quant_config,
+        platform_features=tuple(sorted(caps.features)),
     )
 
 
@@ -295,6 +298,7 @@ def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> 
     methods = registry.load_all("quant_methods")
     qcfg = dict(hf_config.get("quantization_config") or {})
     features = platform.capabilities().features
+    checkpoint_method = _checkpoint_quant_method(qcfg) if qcfg else None
 
     def usable_reason(name: str) -> str | None:
         cls = methods.get(name)
@@ -302,18 +306,19 @@ def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> 
             return "not registered"
         if cls.platforms is not None and platform.name not in cls.platforms:
             return f"runs on {sorted(cls.platforms)}, not {platform.name}"
-        missing = cls.required_features - features
-        if missing:
-            return f"needs platform features {sorted(missing)}"
-        if torch_dtype not in cls.supported_act_dtypes:
-            return f"does not accept activations in {dtype_name(torch_dtype)}"
-        return None
+        # a checkpoint format's needs depend on its config (the schemes it dispatches to)
+        return cls.unsupported_reason(features, torch_dtype, qcfg if name == checkpoint_method else {})
 
     supported = [n for n in sorted(methods) if usable_reason(n) is None]
     if config.quantization is not None:
         name, source = config.quantization, f"--quantization {config.quantization}"
+        if checkpoint_method not in (None, "none", name):
+            raise UnsupportedError(
+                f"quantization: the checkpoint is already quantized ({qcfg.get('quant_method')!r}); "
+                f"--quantization {name} cannot re-quantize it: leave --quantization unset or pass {checkpoint_method}"
+            )
     elif qcfg:
-        name = _checkpoint_quant_method(qcfg)
+        name = checkpoint_method
         source = f"the checkpoint's quantization_config ({qcfg.get('quant_method', '?')})"
     else:
         name, source = "none", "no quantization requested"

@@ -10,7 +10,8 @@ platform's declared features, never by a vendor name or an SM number.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -28,6 +29,27 @@ class QuantMethod(ABC):
     supported_act_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {torch.float32, torch.bfloat16, torch.float16}
     )
+    #: The chosen platform's declared features, set on each instance by the LayerContext
+    #: (a method may pick a variant by them, e.g. an fp8 flavour).
+    platform_features: frozenset[str] = frozenset()
+
+    @classmethod
+    def unsupported_reason(
+        cls, features: frozenset[str], act_dtype: torch.dtype, config: Mapping[str, Any]
+    ) -> str | None:
+        """Why the method cannot run on a platform declaring `features` with activations in
+        `act_dtype` (and, for a checkpoint format, this `quantization_config`), or None.
+
+        The plan calls it before any weights load. The default checks `required_features`
+        and `supported_act_dtypes`; a method whose needs depend on the config (a format
+        that dispatches by scheme) or that accepts one of several features overrides it.
+        """
+        missing = cls.required_features - features
+        if missing:
+            return f"needs platform features {sorted(missing)}"
+        if act_dtype not in cls.supported_act_dtypes:
+            return f"does not accept activations in {str(act_dtype).removeprefix('torch.')}"
+        return None
 
     def __init__(self, config: dict | None = None) -> None:
         #: The checkpoint's `quantization_config` (pre-quantized) or None (online / none).

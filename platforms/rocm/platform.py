@@ -13,6 +13,8 @@ from portaserve.platforms.cuda.devices import summarize, visible_gpus
 # and later CDNA parts, and RDNA3/4 (gfx11xx/gfx12xx) have int8 ones; Vega (gfx900/gfx906)
 # lacks bf16 arithmetic.
 _FP8_ARCHS = ("gfx94", "gfx95")
+# MI300's fp8 units use the "fnuz" variant of e4m3 (no negative zero, max 240); MI350 the OCP one.
+_FP8_FNUZ_ARCHS = ("gfx94",)
 _INT8_ARCHS = ("gfx908", "gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
 _NO_BF16_ARCHS = ("gfx900", "gfx906")
 
@@ -76,6 +78,8 @@ class RocmPlatform(Platform):
         if arch.startswith(_FP8_ARCHS):
             kv_dtypes.add("fp8")
             features.add("fp8_matmul")
+            if arch.startswith(_FP8_FNUZ_ARCHS):
+                features.add("fp8_e4m3fnuz")
         if arch.startswith(_INT8_ARCHS):
             features.add("int8_matmul")
         if importlib.util.find_spec("triton") is not None:

@@ -1,0 +1,119 @@
+"""Int8 weight-only matmul kernels, one per kind of device, picked once per layer.
+
+Each kernel computes `y = (x @ q^T) * s (+ b)` for x: [num_tokens, in] in the model's
+dtype, q: [out, in] int8 and s: [out]; `prepare` stores q and s on the layer in the form
+its matmul wants (so `layer.parameters()` measures the real weight memory).
+
+- "cpu_int8pack": torch's `_weight_int8pack_mm` (int8 weights, per-channel scales,
+  vectorized for AVX2/AVX-512). Measured on the 2-core AVX2 dev machine (BENCHMARKS.md,
+  Qwen2-0.5B linear shapes, M = 1..64 tokens): with bfloat16 activations it beats both
+  bf16 and fp32 `F.linear` at decode sizes, while its fp32 and fp16 activation paths are
+  5-20x slower. So every model dtype runs it with bfloat16 activations (an fp32 model's
+  activations are rounded to bf16 for the matmul; the int8 rounding of the weights
+  dominates that error). Its bf16 path needs in_features to be a multiple of 4
+  (torch 2.13 crashes otherwise), hence the `in_features % 8` check.
+- "triton_int8": `portaserve.kernels.int8_matmul` on GPU devices (imported lazily: the
+  framework never imports triton itself).
+- "torch_dequant": `F.linear(x, q.to(dtype)) * s`, everywhere else (XLA fuses the cast).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from portaserve.framework.plugins import import_object
+
+TRITON_INT8_MATMUL = "portaserve.kernels.int8_matmul:int8_weight_only_mm"
+
+
+class Int8Kernel(ABC):
+    """One way to multiply by an int8 weight with per-output-channel scales."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def can_run(cls, device: torch.device, act_dtype: torch.dtype, in_features: int) -> bool:
+        """Whether this kernel serves a layer on `device` with these activations."""
+
+    @abstractmethod
+    def prepare(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store q ([out, in] int8) and scale ([out] float32) on `layer` as parameters."""
+
+    @abstractmethod
+    def matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [num_tokens, in] -> [num_tokens, out] in x's dtype."""
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class CpuInt8PackKernel(Int8Kernel):
+    name = "cpu_int8pack"
+    #: the one activation dtype torch's CPU kernel is fast for (see the module docstring)
+    compute_dtype = torch.bfloat16
+
+    @classmethod
+    def can_run(cls, device, act_dtype, in_features) -> bool:
+        return device.type == "cpu" and in_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+    def prepare(self, layer, q, scale) -> None:
+        layer.weight = _param(q.contiguous())
+        layer.weight_scale = _param(scale.to(self.compute_dtype))
+
+    def matmul(self, layer, x, bias):
+        y = torch.ops.aten._weight_int8pack_mm(x.to(self.compute_dtype), layer.weight, layer.weight_scale)
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+class TritonInt8Kernel(Int8Kernel):
+    name = "triton_int8"
+
+    @classmethod
+    def can_run(cls, device, act_dtype, in_features) -> bool:
+        return device.type != "cpu" and device.type != "xla" and importlib.util.find_spec("triton") is not None
+
+    def prepare(self, layer, q, scale) -> None:
+        layer.weight = _param(q.contiguous())
+        layer.weight_scale = _param(scale.float())
+        self._mm = import_object(TRITON_INT8_MATMUL)
+
+    def matmul(self, layer, x, bias):
+        return self._mm(x, layer.weight, layer.weight_scale, bias)
+
+
+class TorchDequantKernel(Int8Kernel):
+    name = "torch_dequant"
+
+    @classmethod
+    def can_run(cls, device, act_dtype, in_features) -> bool:
+        return True
+
+    def prepare(self, layer, q, scale) -> None:
+        layer.weight = _param(q.contiguous())
+        layer.weight_scale = _param(scale.float())
+
+    def matmul(self, layer, x, bias):
+        # the scale commutes with the sum over in_features: apply it to the [tokens, out] result
+        y = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+#: Tried in order; the first that can run serves the layer.
+INT8_KERNELS: tuple[type[Int8Kernel], ...] = (CpuInt8PackKernel, TritonInt8Kernel, TorchDequantKernel)
+
+
+def choose_int8_kernel(device: torch.device, act_dtype: torch.dtype, in_features: int) -> Int8Kernel:
+    """The first kernel of `INT8_KERNELS` that serves this layer (the torch one always can)."""
+    for cls in INT8_KERNELS:
+        if cls.can_run(torch.device(device), act_dtype, in_features):
+            return cls()
+    raise AssertionError("TorchDequantKernel always runs")  # unreachable
