@@ -26,6 +26,9 @@ from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
 
 
 USE_MEDIAN = False
+#: time.perf_counter (wall) by default; time.thread_time with --cpu-time (1 thread), which
+#: other processes competing for the cores do not inflate.
+CLOCK = time.perf_counter
 
 
 def compare(fns: dict[str, Callable[[], object]], rounds: int = 5, repeat: int = 10) -> dict[str, float]:
@@ -38,9 +41,9 @@ def compare(fns: dict[str, Callable[[], object]], rounds: int = 5, repeat: int =
         for name, fn in fns.items():
             times = []
             for _ in range(repeat):
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 fn()
-                times.append(time.perf_counter() - t0)
+                times.append(CLOCK() - t0)
             best[name] = min(best[name], (statistics.median(times) if USE_MEDIAN else min(times)) * 1e3)
     return best
 
@@ -150,18 +153,22 @@ def bench_decode(dtype) -> None:
 
     md = backend.build_metadata(batch)
     fns: dict[str, Callable] = {"build_metadata (once per step)": lambda: backend.build_metadata(batch)}
-    for tokens in (1 << 30, 8192, 4096, 2048, 1024):
-        cls = _with_groups(tokens)
-        b = cls(spec, 16, backend.device)
+    for tokens in (1 << 30, 8192, 4096, 3072, 2048, 1024):
+        b = _with_groups(tokens)(spec, 16, backend.device)
         m = b.build_metadata(batch)
         label = "one group" if tokens == 1 << 30 else f"groups of <= {tokens} keys"
-        mark = " (default)" if tokens == CpuPagedAttentionBackend.decode_group_tokens else ""
-        fns[f"forward, {label} ({len(m.decode_groups)}){mark}"] = lambda b=b, m=m: b.forward(q, k, v, cache, m)
+        default = " (default)" if tokens == backend.decode_group_tokens else ""
+        fns[f"forward, {label} ({len(m.decode_groups)}){default}"] = lambda b=b, m=m: b.forward(q, k, v, cache, m)
     fns["  of which: write (2 x index_copy_)"] = lambda: (
         table.index_copy_(0, md.write_rows[0], k.reshape(-1, 64)),
         table.index_copy_(0, md.write_rows[1], v.reshape(-1, 64)),
     )
     fns["  of which: gather (index_select per group)"] = lambda: [table.index_select(0, g.rows) for g in md.decode_groups]
+    # about the same bytes gathered as whole [block_size, head_size] chunks (the cost of the read
+    # alone; the backend would also need padding to whole blocks and zeroing their unwritten tails)
+    chunk_ids = [g.rows[::16] // 16 for g in md.decode_groups]
+    chunks = table.view(-1, 16 * 64)
+    fns["  gather as whole block chunks instead (rejected)"] = lambda: [chunks.index_select(0, c) for c in chunk_ids]
     # The same gather if the layout were token-major, [num_blocks, 2, block_size, num_kv_heads, head_size]
     bs, hkv = backend.block_size, spec.num_kv_heads
 
@@ -170,7 +177,7 @@ def bench_decode(dtype) -> None:
         return (block_kv * bs + offset) * hkv + head
 
     tm_rows = [token_major(g.rows) for g in md.decode_groups]
-    fns["  gather if the layout were token-major (rejected)"] = lambda: [table.index_select(0, r) for r in tm_rows]
+    fns["  gather key rows if the layout were token-major (rejected)"] = lambda: [table.index_select(0, r) for r in tm_rows]
     _print(compare(fns))
 
     g = _one_group(backend, batch)
@@ -189,10 +196,7 @@ def bench_decode(dtype) -> None:
     results = compare(alts, rounds=3, repeat=5)
     for name, fn in alts.items():
         out = fn().float()
-        if "loop" in name:
-            out = torch.empty_like(out).index_copy_(0, order, out)
-        else:
-            out = torch.empty_like(out).index_copy_(0, order, out)
+        out = torch.empty_like(out).index_copy_(0, order, out)
         err = float((out - ref).norm() / ref.norm())
         print(f"  {name:58s} {results[name]:8.3f} ms  (rel. diff {err:.1e})")
 
@@ -262,7 +266,9 @@ def bench_encoder(dtype) -> None:
         )
         q, k, v = (torch.randn(n, 12, 64).to(dtype) for _ in range(3))
         md = backend.build_metadata(batch)
-        fns: dict[str, Callable] = {f"{label}: forward (backend)": lambda: backend.forward(q, k, v, None, md)}
+        fns: dict[str, Callable] = {
+            f"{label}: forward (backend)": lambda: backend.forward(q, k, v, None, md),
+        }
         if len(set(lens)) > 1:
             # alternative: pad into one batch with a key-padding mask
             width = max(lens)
@@ -287,12 +293,19 @@ def main() -> None:
     parser.add_argument("--only", choices=["decode", "prefill", "encoder"], default=None)
     parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], action="append")
     parser.add_argument("--median", action="store_true", help="report best round medians, not minima")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time with the thread's CPU clock (forces 1 thread): robust on a busy machine"
+    )
     args = parser.parse_args()
-    global USE_MEDIAN
+    global USE_MEDIAN, CLOCK
     USE_MEDIAN = args.median
+    if args.cpu_time:
+        CLOCK = time.thread_time
+        args.threads = 1
     torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16", "float32"])]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, {clock}")
     with torch.inference_mode():
         for dtype in dtypes:
             if args.only in (None, "decode"):
