@@ -75,3 +75,14 @@ def test_tp4_replicates_kv_heads(checkpoint, reference_ids):
 def test_uni_backend_rejects_tp2(checkpoint):
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         LLM(checkpoint("Qwen2ForCausalLM"), tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE_KW)
+
+
+def test_ray_backend_without_ray_names_the_extra(monkeypatch):
+    import sys
+
+    from portaserve.framework.errors import UnsupportedError
+    from portaserve.framework.executor.ray_executor import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(UnsupportedError, match=r"pip install 'portaserve\[ray\]'"):
+        import_ray()
