@@ -216,31 +216,35 @@ class CpuPagedAttentionBackend(AttentionBackend):
         lens = kv_lens[idx]
         order = torch.argsort(lens, descending=True, stable=True)
         idx, lens = idx[order], lens[order]
+        # Every decode's keys at once, padded to the longest context; groups take slices.
+        max_width = int(lens[0])
+        j = torch.arange(max_width, dtype=torch.int64)
+        valid = j < lens.unsqueeze(1)  # [num_decodes, max_width]
+        # Padding re-reads the sequence's first key (always written, hence finite);
+        # the -inf mask gives it zero weight. (Gathering whole [block_size, head_size]
+        # chunks instead of rows, zeroing the never-written tail, measured no faster.)
+        pos = kv_start[idx].unsqueeze(1) + torch.where(valid, j, 0)
+        blocks = torch.gather(block_table[idx], 1, pos // bs)
+        # base: [num_decodes, max_width] cache row of KV head 0's K
+        base = blocks * (2 * self.num_kv_heads * bs) + pos % bs
+        head_offsets = (torch.arange(self.num_kv_heads, dtype=torch.int64) * bs).view(1, -1, 1)
+        token_idx = qsl[idx]
         lens_list = lens.tolist()
         groups = []
         start = 0
         while start < len(lens_list):
             width = lens_list[start]  # the longest of the group (sorted)
             stop = min(len(lens_list), start + max(1, self.decode_group_tokens // max(width, 1)))
-            members = idx[start:stop]
-            glens = lens[start:stop]
-            j = torch.arange(width, dtype=torch.int64)
-            valid = j < glens.unsqueeze(1)  # [n, width]
-            # Padding re-reads the sequence's first key (always written, hence finite);
-            # the -inf mask gives it zero weight. (Gathering whole [block_size, head_size]
-            # chunks instead of rows, zeroing the never-written tail, measured no faster.)
-            pos = kv_start[members].unsqueeze(1) + torch.where(valid, j, 0)
-            blocks = torch.gather(block_table[members], 1, pos // bs)
-            rows = self._rows(blocks, pos % bs).transpose(1, 2)  # [n, kv_heads, width]
+            rows = base[start:stop, :width].unsqueeze(1) + head_offsets  # [n, kv_heads, width]
             mask = None
             if lens_list[stop - 1] != width:
                 mask = torch.zeros(stop - start, 1, 1, width, dtype=torch.float32)
-                mask.masked_fill_(~valid.view(stop - start, 1, 1, width), _NEG_INF)
+                mask.masked_fill_(~valid[start:stop, :width].view(stop - start, 1, 1, width), _NEG_INF)
             groups.append(
                 _DecodeGroup(
                     num_seqs=stop - start,
                     kv_len=width,
-                    token_idx=qsl[members],
+                    token_idx=token_idx[start:stop],
                     rows=torch.stack([rows, rows + self._v_shift]).reshape(-1),
                     mask=mask,
                 )
