@@ -41,6 +41,15 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["auto", "uni", "mp", "ray"] = "auto"
+    # Multi-host tensor parallelism without Ray (see framework/executor/multinode.py).
+    nnodes: int = Field(1, ge=1, description="hosts the tensor-parallel ranks span (each runs tp / nnodes ranks)")
+    node_rank: int = Field(0, ge=0, description="this host's index: 0 runs the engine core and the server, the "
+                           "others run headless workers")
+    master_addr: str = Field("127.0.0.1", min_length=1, description="node 0's address, reachable from every node")
+    master_port: int | None = Field(None, ge=1, le=65534, description="node 0's rendezvous port (control "
+                                    "connections use master_port + 1); default 29500 with nnodes > 1")
+    headless: bool = Field(False, description="run only this node's workers (no engine core, no server); "
+                           "for node_rank > 0")
     attention_backend: str | None = None
     quantization: str | None = None
     compilation_mode: Literal["none", "default", "max"] | None = None
@@ -63,6 +72,18 @@ class EngineConfig(BaseModel):
         for name in self.logits_processors or ():
             if name.count(":") != 1 or not all(name.split(":")):
                 raise ValueError(f"logits_processors: {name!r} is not a fully-qualified 'module:Class' name")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank must be < nnodes ({self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes:
+                raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                                 f"nnodes ({self.nnodes}): every node runs the same number of ranks")
+            if self.distributed_executor_backend in ("uni", "ray"):
+                raise ValueError(f"nnodes > 1 is the torch.distributed launch (distributed_executor_backend 'mp'); "
+                                 f"{self.distributed_executor_backend!r} does not span nodes this way (Ray places "
+                                 "its actors itself: use nnodes 1 with 'ray')")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("headless: node 0 runs the engine core and the server; headless is for node_rank > 0")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         return self
