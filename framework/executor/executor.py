@@ -73,6 +73,11 @@ def make_executor(spec: EngineSpec) -> Executor:
     """The executor for `spec`'s tensor-parallel size and backend choice."""
     backend = spec.config.distributed_executor_backend
     tp = spec.config.tensor_parallel_size
+    if spec.config.node_rank > 0 or spec.config.headless:
+        from portaserve.framework.errors import invalid
+
+        raise invalid("node_rank", f"node {spec.config.node_rank} runs headless workers only (portaserve serve "
+                      "--headless ...); the engine runs on node 0")
     if backend == "uni" or (backend == "auto" and tp == 1):
         if tp != 1:
             from portaserve.framework.errors import invalid

@@ -65,13 +65,24 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, spec: EngineSpec, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
         super().__init__(spec)
-        self.world_size = spec.config.tensor_parallel_size
+        config = spec.config
+        self.world_size = config.tensor_parallel_size
+        remote = None
+        num_local = self.world_size
+        if config.nnodes > 1:
+            # Ranks on other hosts (see multinode.py): they connect to this driver and
+            # are served like local workers, with no local process (procs[r] is None).
+            from .multinode import RemoteRanks, master_port as cluster_port, ranks_per_node
+
+            master_addr, master_port = config.master_addr, cluster_port(config)
+            num_local = ranks_per_node(config)
+            remote = RemoteRanks(config)
         init_method = f"tcp://{master_addr}:{master_port or free_port(master_addr)}"
         ctx = multiprocessing.get_context("spawn")
-        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.procs: list[multiprocessing.process.BaseProcess | None] = []
         self.conns: list[Connection] = []
         self._dead: str | None = None
-        for rank in range(self.world_size):
+        for rank in range(num_local):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
@@ -84,6 +95,11 @@ class MultiprocExecutor(Executor):
             self.procs.append(proc)
             self.conns.append(parent)
         try:
+            if remote is not None:
+                conns = remote.connect(spec, init_method, self.check_health)
+                for rank in range(num_local, self.world_size):
+                    self.procs.append(None)
+                    self.conns.append(conns[rank])
             self._collect()  # every worker built its model
         except BaseException:
             self.shutdown()
@@ -94,19 +110,23 @@ class MultiprocExecutor(Executor):
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         while pending:
-            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], POLL_INTERVAL_S)
+            sentinels = [self.procs[r].sentinel for r in pending if self.procs[r] is not None]
+            ready = wait([self.conns[r] for r in pending] + sentinels, POLL_INTERVAL_S)
             for r in list(pending):
                 conn, proc = self.conns[r], self.procs[r]
                 if conn in ready or conn.poll():
                     try:
                         status, value = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
+                        if proc is None:
+                            self._fail(r, "the connection to this rank on another node closed (the worker died?)")
+                        proc.join(0.5)
                         self._fail(r, f"worker exited (code {proc.exitcode})")
                     if status == "error":
                         self._fail(r, value)
                     results[r] = value
                     pending.discard(r)
-                elif proc.sentinel in ready or not proc.is_alive():
+                elif proc is not None and (proc.sentinel in ready or not proc.is_alive()):
                     proc.join(0.5)  # the exit code is known once the process is reaped
                     self._fail(r, f"worker process died (exit code {proc.exitcode})")
         return results
@@ -123,7 +143,8 @@ class MultiprocExecutor(Executor):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError):
-                self._fail(r, f"worker is gone (exit code {self.procs[r].exitcode})")
+                proc = self.procs[r]
+                self._fail(r, f"worker is gone (exit code {proc.exitcode if proc is not None else 'unknown, remote'})")
         return self._collect()
 
     def determine_num_blocks(self) -> int:
@@ -141,17 +162,19 @@ class MultiprocExecutor(Executor):
 
     def check_health(self) -> None:
         for r, proc in enumerate(self.procs):
-            if not proc.is_alive():
+            if proc is not None and not proc.is_alive():
                 self._fail(r, f"worker process died (exit code {proc.exitcode})")
 
     def shutdown(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
+            if proc is None or proc.is_alive():
                 try:
                     conn.send(("shutdown", ()))
                 except (BrokenPipeError, OSError):
                     pass
         for proc in self.procs:
+            if proc is None:
+                continue
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
@@ -162,4 +185,4 @@ class MultiprocExecutor(Executor):
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None] or [os.getpid()]
+        return [p.pid for p in self.procs if p is not None and p.pid is not None] or [os.getpid()]
