@@ -94,6 +94,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("scheduling_policy", "fcfs (arrival order) or priority (the request's priority, then arrival)"),
     Flag("tensor_parallel_size", "number of devices one model is split across"),
     Flag("distributed_executor_backend", "how tensor-parallel workers run: uni (in process), mp (processes), ray"),
+    Flag("nnodes", "hosts the tensor-parallel ranks span without Ray (each runs tensor-parallel-size / nnodes)"),
+    Flag("node_rank", "this host's index: 0 runs the engine and the server, others run with --headless"),
+    Flag("master_addr", "node 0's address, reachable from every node"),
+    Flag("master_port", "node 0's rendezvous port (control connections use master-port + 1; default 29500 "
+         "with nnodes > 1)"),
+    Flag("headless", "run only this node's tensor-parallel workers (node-rank > 0), no server", kind="switch"),
     Flag("attention_backend", "force an attention backend by name (see `portaserve platforms`)"),
     Flag("quantization", "quantization method by name (default: the checkpoint's, or none)"),
     Flag("compilation_mode", "torch.compile mode (default: the platform's measured default)"),
@@ -259,6 +265,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     config = EngineConfig.create(**engine_kwargs(args))
+    if config.headless or config.node_rank > 0:  # another node's ranks: node 0 sends them the plan
+        from portaserve.framework.executor.multinode import run_headless
+
+        return run_headless(config)
     settings = server_settings(args)
     settings.check()
     check_logits_processors(config.logits_processors)
