@@ -23,8 +23,10 @@ ARCH = "LlamaForCausalLM"
 PROMPTS = prompts_of([6, 35], seed=17)
 
 
-def _start_node(node_rank: int, nnodes: int, tp: int, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "portaserve.framework.executor.multinode", "--nnodes", str(nnodes), "--node-rank",
+def _start_node(node_rank: int, nnodes: int, tp: int, port: int, cli: bool = False) -> subprocess.Popen:
+    """`python -m portaserve.framework.executor.multinode ...`, or (cli) `portaserve serve --headless ...`."""
+    entry = ["portaserve.framework.cli.serve", "--headless"] if cli else ["portaserve.framework.executor.multinode"]
+    cmd = [sys.executable, "-m", *entry, "--nnodes", str(nnodes), "--node-rank",
            str(node_rank), "--tensor-parallel-size", str(tp), "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTASERVE_CLUSTER_KEY": "test-cluster"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -81,7 +83,7 @@ def test_rank_dying_on_another_node_fails_the_engine(cluster_key, checkpoint):
     starter = threading.Thread(target=start_engine, daemon=True)
     starter.start()  # node 0 first this time: it waits for node 1
     time.sleep(1.0)
-    node1 = _start_node(1, 2, 2, port)
+    node1 = _start_node(1, 2, 2, port, cli=True)
     starter.join(120)
     assert "llm" in llm_box, llm_box.get("error")
     llm = llm_box["llm"]
