@@ -84,6 +84,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GQA_PAD
     work = tl.program_id(0)
@@ -138,6 +139,9 @@ def _paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:  # an fp8 cache: widen to q's dtype (the scales are folded into `scale` and the output)
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
         if SOFT_CAP:
@@ -388,6 +392,7 @@ def paged_attention(
         # fp32 must not silently drop to tf32 (the CUDA default); fp16/bf16 keep the
         # backend's default (None), since e.g. ROCm accepts "tf32" only on some chips
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        KV_FP8=kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz),
         num_warps=4 if work.block_m <= 16 else 8 if head_pad > 128 else 4,
     )
     if splits > 1:

@@ -6,7 +6,11 @@ there only for testing (`--attention-backend triton`, the CPU platform declaring
 "triton" feature under the interpreter).
 
 KV-cache layout: `kernels.kv_layout` (`[num_blocks, 2, num_kv_heads, block_size,
-head_size]`, block ids on dim 0). This module imports no triton at import time: the
+head_size]`, block ids on dim 0). With `kv_cache_dtype="fp8"` the cache holds e4m3 values
+of K / k_scale and V / v_scale (scales 1.0 unless set, as vLLM without calibrated
+scales): the new K/V are quantized in torch and their bytes copied into the slots (one
+rounding, the same on every device), the kernel widens the pages it reads to q's dtype,
+and the scales fold into the softmax scale (K) and the output (V). This module imports no triton at import time: the
 plan imports every registered backend class to read its capabilities, also on machines
 where triton is absent; the kernels are imported when a backend is instantiated.
 """
@@ -81,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     platforms = frozenset({"cuda", "rocm", "xpu", "cpu"})
     supported_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
-    supported_kv_cache_dtypes = frozenset({"auto"})
+    supported_kv_cache_dtypes = frozenset({"auto", "fp8"})
     # padded to a power of two inside the kernels; >= 16, the smallest tl.dot dimension
     supported_head_sizes = frozenset({16, 32, 64, 80, 96, 112, 128, 192, 256})
     supported_block_sizes = frozenset({16, 32, 64})
@@ -98,6 +102,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels = paged_attention
         self._write = reshape_and_cache.reshape_and_cache
         self._target_programs = target_programs(torch.device(device))
+        #: fp8 caches store K / k_scale and V / v_scale
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """`[num_blocks, 2, num_kv_heads, block_size, head_size]` (K = 0, V = 1 on dim 1)."""
@@ -152,7 +159,13 @@ class TritonAttentionBackend(AttentionBackend):
         if not isinstance(metadata, TritonAttentionMetadata):
             raise TypeError(f"triton attention backend got {type(metadata).__name__}, not TritonAttentionMetadata")
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        self._write(k, v, kv_cache, metadata.slot_mapping, num_tokens=metadata.num_actual_tokens)
+        fp8 = kv_cache.dtype.itemsize == 1
+        if fp8:
+            # k8, v8: [num_tokens, num_kv_heads, head_size] as raw bytes, copied as they are
+            k8, v8 = _to_fp8(k, self.k_scale, kv_cache.dtype), _to_fp8(v, self.v_scale, kv_cache.dtype)
+            self._write(k8, v8, kv_cache.view(torch.uint8), metadata.slot_mapping, num_tokens=metadata.num_actual_tokens)
+        else:
+            self._write(k, v, kv_cache, metadata.slot_mapping, num_tokens=metadata.num_actual_tokens)
         out = _new_output(q)
         spec = self.spec
         self._kernels.paged_attention(
@@ -162,9 +175,17 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.query_start_loc,
             metadata.work,
-            spec.scale,
+            spec.scale * self.k_scale if fp8 else spec.scale,
             sliding_window=spec.sliding_window,
             soft_cap=spec.logits_soft_cap,
             out=out,
         )
+        if fp8 and self.v_scale != 1.0:
+            out.mul_(self.v_scale)
         return out
+
+
+def _to_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale saturated to fp8's range, as uint8 bytes of `dtype`."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype).view(torch.uint8)

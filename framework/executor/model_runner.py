@@ -18,6 +18,7 @@ import torch
 
 from portaserve.framework.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
+from portaserve.framework.executor.compile import EagerForward, build_forward
 from portaserve.framework.executor.model_builder import build_model
 from portaserve.framework.executor.sampler import Sampler, compute_prompt_logprobs
 from portaserve.framework.executor.sampling_state import SamplingState
@@ -72,6 +73,8 @@ class ModelRunner:
         # Backend instances used to build per-step metadata (stateless besides their spec).
         self.backends = LayerContext.from_plan(self.plan, registry, self.device, tp_rank, tp_size).attention_backends()
         self.model = None
+        # the model's forward as the plan's compilation choice runs it (set by load_model)
+        self.forward: EagerForward | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.requests: dict[str, _RequestState] = {}
@@ -93,6 +96,16 @@ class ModelRunner:
             tp_size=self.tp_size,
             communicator=self.communicator,
         )
+        self.forward = build_forward(
+            self.model,
+            self.plan,
+            self.device,
+            max_num_seqs=self.spec.config.max_num_seqs,
+            max_model_len=self.spec.max_model_len,
+            is_pooling=self.spec.is_pooling,
+        )
+        if self.plan.compilation.name != "none":
+            logger.info("compilation: %s", self.forward.description)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across every attention layer of this rank."""
@@ -117,7 +130,11 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        shapes = [self.backends[t].kv_cache_shape(num_blocks) for t in self.layer_types]
+        # the forward may need blocks of its own past the scheduler's (CUDA graphs' padding)
+        reserved = self.forward.num_reserved_blocks if self.forward is not None else 0
+        if self.forward is not None:
+            self.forward.set_num_blocks(num_blocks)
+        shapes = [self.backends[t].kv_cache_shape(num_blocks + reserved) for t in self.layer_types]
         dtypes = [self.backends[t].kv_cache_torch_dtype() for t in self.layer_types]
         self.kv_caches = self.allocator.allocate(shapes, dtypes) if shapes else []
 
@@ -209,9 +226,12 @@ class ModelRunner:
             block_size=bs,
             num_actual_tokens=num_tokens,
         )
+        forward = self.forward or EagerForward(self.model)
+        # a step the forward replays from a captured graph is padded to its static shape first
+        batch, input_ids, positions = forward.prepare(batch, input_ids, positions)
         metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.backends.items()}
         step = StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc)
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), step)
+        hidden = forward(input_ids.to(self.device), positions.to(self.device), step)[:num_tokens]
 
         for state, n in zip(states, query_lens):
             state.num_computed_tokens += int(n)
