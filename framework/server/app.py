@@ -39,7 +39,7 @@ from portaserve.framework.server.serving_completion import CompletionService
 from portaserve.framework.server.serving_embedding import EmbeddingService
 from portaserve.framework.server.serving_tokens import TokenService
 from portaserve.framework.server.state import ServerSettings, ServerState
-from portaserve.framework.server.weights_routes import router as weights_router
+from portaserve.framework.server import weights_routes
 
 logger = logging.getLogger("portaserve.server")
 
@@ -232,7 +232,7 @@ def create_app(
     async def generate(request: GenerateRequest, raw: Request):
         return await tokens.generate(request, raw)
 
-    app.include_router(weights_router)  # live weight updates, sleep / wake (weights_routes.py)
+    weights_routes.install(app)  # live weight updates, sleep / wake, the X-Weights-Version header
 
     app.add_middleware(GatewayMiddleware, state=state)
     app.add_middleware(

@@ -26,6 +26,7 @@ from portaserve.framework.server.protocol import (
     Usage,
 )
 from portaserve.framework.server.state import ServerState
+from portaserve.framework.server.weights_routes import note_weights_version
 
 _engine_ids = itertools.count()
 
@@ -72,6 +73,7 @@ async def engine_outputs(
     gen = engine.generate(engine_id, prompt, params, priority=priority, cache_salt=cache_salt)
     try:
         async for out in gen:
+            note_weights_version(out)
             if metrics is not None and isinstance(out, RequestOutput):
                 for comp in out.outputs:
                     if comp.finish_reason is not None:

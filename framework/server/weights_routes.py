@@ -17,12 +17,59 @@ The API key applies here as on every route but /health (the gateway middleware).
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 router = APIRouter()
+
+#: Response header naming the weights version a generation ran on.
+WEIGHTS_VERSION_HEADER = b"x-weights-version"
+# Per HTTP request: a one-item list the engine-output loop fills with the version of the
+# outputs it saw (every output of one request has the same version: updates wait for
+# running requests), read when the response starts.
+_request_weights_version: ContextVar[list | None] = ContextVar("portaserve_weights_version", default=None)
+
+
+def note_weights_version(output: Any) -> None:
+    """Record the weights version of an engine output for this HTTP request's header."""
+    holder = _request_weights_version.get()
+    version = getattr(output, "weights_version", None)
+    if holder is not None and version is not None:
+        holder[0] = version
+
+
+class WeightsVersionMiddleware:
+    """Pure ASGI: adds `X-Weights-Version` to responses of requests that generated."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        holder: list = [None]
+        token = _request_weights_version.set(holder)
+
+        async def sending(message):
+            if message["type"] == "http.response.start" and holder[0] is not None:
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), (WEIGHTS_VERSION_HEADER, str(holder[0]).encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            _request_weights_version.reset(token)
+
+
+def install(app: FastAPI) -> None:
+    """Add these routes and the weights-version header to the server."""
+    app.include_router(router)
+    app.add_middleware(WeightsVersionMiddleware)
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -36,10 +36,15 @@ def http(srv):
         yield c
 
 
-def _generate(http) -> list[int]:
+def _generate(http, version: int | None = None) -> list[int]:
     body = {"token_ids": PROMPT["prompt_token_ids"], "sampling_params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}}
     r = http.post("/inference/v1/generate", json=body)
     assert r.status_code == 200, r.text
+    if version is not None:  # the weights the tokens came from, in the response's headers
+        assert r.headers["x-weights-version"] == str(version)
+        with http.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as streamed:
+            assert streamed.status_code == 200 and streamed.headers["x-weights-version"] == str(version)
+            streamed.read()
     return r.json()["choices"][0]["token_ids"]
 
 
@@ -58,8 +63,9 @@ def test_routes_need_the_api_key(srv, checkpoint):
 def test_update_weights_route(http, checkpoint, reference_ids):
     old = reference_ids([PROMPT], 8, ARCH, 0)[0]
     new = reference_ids([PROMPT], 8, ARCH, 1)[0]
-    assert _generate(http) == old
     start = _version(http)
+    assert _generate(http, start) == old
+    assert "x-weights-version" not in http.get("/v1/models").headers  # only generations carry it
 
     r = http.post("/v1/update_weights", json={"path": "/no/such/folder"})
     assert r.status_code == 400
@@ -78,7 +84,7 @@ def test_update_weights_route(http, checkpoint, reference_ids):
     r = http.post("/v1/update_weights", json={"path": checkpoint(ARCH, 1)})
     assert r.status_code == 200, r.text
     assert r.json()["weights_version"] == start + 1 == _version(http)
-    assert _generate(http) == new
+    assert _generate(http, start + 1) == new
     assert http.get("/v1/weights_info").json()["weights_version"] == start + 1
 
 
