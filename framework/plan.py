@@ -300,16 +300,18 @@ def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> 
     features = platform.capabilities().features
     checkpoint_method = _checkpoint_quant_method(qcfg) if qcfg else None
 
-    def usable_reason(name: str) -> str | None:
+    def usable_reason(name: str, for_checkpoint: bool = True) -> str | None:
         cls = methods.get(name)
         if cls is None:
             return "not registered"
         if cls.platforms is not None and platform.name not in cls.platforms:
             return f"runs on {sorted(cls.platforms)}, not {platform.name}"
         # a checkpoint format's needs depend on its config (the schemes it dispatches to)
-        return cls.unsupported_reason(features, torch_dtype, qcfg if name == checkpoint_method else {})
+        config = qcfg if for_checkpoint and name == checkpoint_method else {}
+        return cls.unsupported_reason(features, torch_dtype, config)
 
-    supported = [n for n in sorted(methods) if usable_reason(n) is None]
+    # what the platform offers at all (a checkpoint format is listed whatever this checkpoint holds)
+    supported = [n for n in sorted(methods) if usable_reason(n, for_checkpoint=False) is None]
     if config.quantization is not None:
         name, source = config.quantization, f"--quantization {config.quantization}"
         if checkpoint_method not in (None, "none", name):

@@ -81,7 +81,7 @@ def fp8_scaled_mm(
     y = torch._scaled_mm(qx, qw.t(), scale_a=sx.float().contiguous(), scale_b=sw.float().reshape(1, n).contiguous(),
                          out_dtype=torch.bfloat16)
     y = y.to(out_dtype)
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias.to(out_dtype)
 
 
 def fnuz_from_e4m3fn(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

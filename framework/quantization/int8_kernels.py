@@ -79,7 +79,8 @@ class TritonInt8Kernel(Int8Kernel):
 
     @classmethod
     def can_run(cls, device, act_dtype, in_features) -> bool:
-        return device.type != "cpu" and device.type != "xla" and importlib.util.find_spec("triton") is not None
+        # the device types Triton compiles for (ROCm builds of torch say "cuda" too)
+        return device.type in ("cuda", "xpu") and importlib.util.find_spec("triton") is not None
 
     def prepare(self, layer, q, scale) -> None:
         layer.weight = _param(q.contiguous())
