@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,32 +68,34 @@ def configure_compile_cache() -> Path:
 
 # ----- attention as one opaque op -------------------------------------------------------
 
-#: key -> attention layer; weak, so engines built and dropped in one process do not pile up
-_LAYERS: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
-_STEP: list[StepContext] = []
+#: (step, the model's attention layers) of the compiled call running now
+_CONTEXT: list[tuple[StepContext, Sequence[nn.Module]]] = []
 
 
 @contextlib.contextmanager
-def step_context(step: StepContext) -> Iterator[None]:
-    """Make `step` the context the opaque attention op reads (around one compiled call)."""
-    _STEP.append(step)
+def step_context(step: StepContext, layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Make `step` and the model's attention `layers` what the opaque op reads (around one
+    compiled call). Layers are looked up by their index in the model, so every instance
+    of a model (and every process) traces the same graph and shares compiled artifacts."""
+    _CONTEXT.append((step, layers))
     try:
         yield
     finally:
-        _STEP.pop()
+        _CONTEXT.pop()
 
 
 @torch.library.custom_op("portaserve::attention", mutates_args=())
 def opaque_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int) -> torch.Tensor:
-    """Run attention layer `layer_key` eagerly on the current step (writes its KV cache).
+    """Run the model's attention layer number `layer_key` eagerly on the current step (it
+    writes its KV cache).
 
     :param q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
     :returns: [num_tokens, num_heads * head_size]
     """
-    if not _STEP:
+    if not _CONTEXT:
         raise RuntimeError("portaserve::attention called outside step_context()")
-    out = _LAYERS[layer_key](q, k, v, _STEP[-1])
+    step, layers = _CONTEXT[-1]
+    out = layers[layer_key](q, k, v, step)
     # a custom op's output must not alias its inputs
     inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
     return out.clone() if out.untyped_storage().data_ptr() in inputs else out
@@ -109,11 +109,10 @@ def _(q, k, v, layer_key):
 class OpaqueAttention(nn.Module):
     """Wraps an attention layer: eager calls go straight to it, compiled ones through the op."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, layer_key: int) -> None:
         super().__init__()
         self.inner = inner
-        self.layer_key = next(_KEYS)
-        _LAYERS[self.layer_key] = inner
+        self.layer_key = layer_key  # its index among the model's attention layers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepContext) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -126,8 +125,9 @@ def is_attention_layer(module: nn.Module) -> bool:
     return isinstance(getattr(module, "backend", None), AttentionBackend) and hasattr(module, "layer_idx")
 
 
-def make_attention_opaque(model: nn.Module) -> int:
-    """Wrap every attention layer of `model` in `OpaqueAttention` (in place); returns how many."""
+def make_attention_opaque(model: nn.Module) -> list[nn.Module]:
+    """Wrap every attention layer of `model` in `OpaqueAttention` (in place); returns the
+    wrapped layers in order (what `step_context` takes)."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -135,9 +135,9 @@ def make_attention_opaque(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if is_attention_layer(child)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, OpaqueAttention(child))
-    return len(targets)
+    for key, (parent, name, child) in enumerate(targets):
+        setattr(parent, name, OpaqueAttention(child, key))
+    return [child for _parent, _name, child in targets]
 
 
 # ----- forwards ---------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class TorchCompileForward(EagerForward):
         super().__init__(model)
         if backend == "inductor":
             configure_compile_cache()
-        self.num_attention_layers = make_attention_opaque(model)
+        self.attention_layers = make_attention_opaque(model)
         self.compiled = torch.compile(model, backend=backend, mode=mode, dynamic=None)
         self.description = f"torch.compile(backend={backend!r}, mode={mode!r})"
 
@@ -179,7 +179,7 @@ class TorchCompileForward(EagerForward):
         # one graph for every token count (torch still specializes 0 and 1 on its own)
         torch._dynamo.maybe_mark_dynamic(input_ids, 0)
         torch._dynamo.maybe_mark_dynamic(positions, 0)
-        with step_context(step):
+        with step_context(step, self.attention_layers):
             return self.compiled(input_ids, positions, step)
 
 
