@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -26,6 +27,8 @@ logger = logging.getLogger("portaserve")
 
 # How often a waiting driver checks that every worker is still alive (seconds).
 POLL_INTERVAL_S = 1.0
+# After a first failure, how long the other ranks get to report theirs (seconds).
+FAILURE_GRACE_S = 2.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -106,29 +109,53 @@ class MultiprocExecutor(Executor):
             raise
 
     def _collect(self) -> list[Any]:
-        """Wait for one reply per worker, failing fast if any worker dies or errors."""
+        """Wait for one reply per worker, failing fast if any worker dies or errors.
+
+        When a rank dies, its peers usually fail too (their collective loses a member),
+        and their error may arrive first; so after the first failure the others get a
+        short grace period, and a rank that died is reported as the cause before ranks
+        that merely raised.
+        """
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
+        died: dict[int, str] = {}
+        raised: dict[int, str] = {}
+        deadline: float | None = None
         while pending:
+            if died or (deadline is not None and time.monotonic() >= deadline):
+                break
+            timeout = POLL_INTERVAL_S if deadline is None else max(0.0, deadline - time.monotonic())
             sentinels = [self.procs[r].sentinel for r in pending if self.procs[r] is not None]
-            ready = wait([self.conns[r] for r in pending] + sentinels, POLL_INTERVAL_S)
+            ready = wait([self.conns[r] for r in pending] + sentinels, timeout)
             for r in list(pending):
                 conn, proc = self.conns[r], self.procs[r]
                 if conn in ready or conn.poll():
+                    pending.discard(r)
                     try:
                         status, value = conn.recv()
                     except (EOFError, OSError):
                         if proc is None:
-                            self._fail(r, "the connection to this rank on another node closed (the worker died?)")
-                        proc.join(0.5)
-                        self._fail(r, f"worker exited (code {proc.exitcode})")
+                            died[r] = "the connection to this rank on another node closed (the worker died?)"
+                        else:
+                            proc.join(0.5)
+                            died[r] = f"worker exited (code {proc.exitcode})"
+                        continue
                     if status == "error":
-                        self._fail(r, value)
-                    results[r] = value
-                    pending.discard(r)
+                        raised[r] = value
+                    else:
+                        results[r] = value
                 elif proc is not None and (proc.sentinel in ready or not proc.is_alive()):
+                    pending.discard(r)
                     proc.join(0.5)  # the exit code is known once the process is reaped
-                    self._fail(r, f"worker process died (exit code {proc.exitcode})")
+                    died[r] = f"worker process died (exit code {proc.exitcode})"
+            if (died or raised) and deadline is None:
+                deadline = time.monotonic() + FAILURE_GRACE_S
+        if died or raised:
+            rank, why = min(died.items()) if died else min(raised.items())
+            others = sorted((set(died) | set(raised)) - {rank})
+            if others:
+                why = f"{why} (ranks {others} failed too)"
+            self._fail(rank, why)
         return results
 
     def _fail(self, rank: int, why: str) -> None:
