@@ -8,8 +8,9 @@ less), and the load average is recorded with the numbers.
    Qwen2-0.5B linear shapes (qkv 896x1152, o 896x896, gate_up 896x9728, down 4864x896),
    M = 1..64 tokens: the measurement behind `int8_kernels`' choice.
 2. decode: engines of the checkpoint built once each (bf16 eager, int8 eager, bf16
-   compiled), every decode step of batch 1 and batch 64 timed; median step time, tokens/s,
-   and weight memory measured from the loaded parameters.
+   compiled), every decode step of batch 1 and batch 64 timed; per run the fastest step
+   (other jobs only add time), the median over alternating runs; tokens/s, and weight
+   memory measured from the loaded parameters.
 3. start: a fresh process per run, from interpreter start to the first generated token
    (batch 1 and batch 4, so both compiled graphs exist): eager, compiled with an empty
    inductor cache (cold) and again with the cache it left (warm).
@@ -34,7 +35,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
-START, END = "<!-- quant_compile:start -->", "<!-- quant_compile:end -->"
+
+def markers(size: str) -> tuple[str, str]:
+    """Each checkpoint size keeps its own section of BENCHMARKS.md."""
+    return f"<!-- quant_compile:{size}:start -->", f"<!-- quant_compile:{size}:end -->"
+
 SHAPES = ((896, 1152), (896, 896), (896, 9728), (4864, 896))  # (in, out) of Qwen2-0.5B's linears
 
 
@@ -163,7 +168,8 @@ def bench_decode(ckpt: Path, configs: dict[str, dict], batches: list[int], reps:
         per = {n: [] for n in names}
         for rep in range(reps):
             for n in names[rep % len(names):] + names[: rep % len(names)]:
-                per[n].append(statistics.median(decode_steps(engines[n], b, prompt_len, steps, seed=rep)))
+                # the fastest step of the run: other jobs on the shared machine only ever add time
+                per[n].append(min(decode_steps(engines[n], b, prompt_len, steps, seed=rep)))
         results[b] = {n: {"step_ms": statistics.median(v) * 1e3, "tokens_per_s": b / statistics.median(v)} for n, v in per.items()}
         print(f"decode batch {b}: " + ", ".join(f"{n} {r['step_ms']:.1f} ms/step" for n, r in results[b].items()), file=sys.stderr)
     return {"engines": info, "decode": results}
@@ -205,7 +211,9 @@ def bench_start(ckpt: Path, configs: dict[str, dict], threads: int) -> dict:
 
 def section(res: dict, argv: list[str]) -> str:
     m = res["machine"]
-    lines = [START, "## Quantization and compilation", ""]
+    start, end = markers(m["size"])
+    title = "## Quantization and compilation" + ("" if m["size"] == "bench" else f" (`{m['size']}` checkpoint)")
+    lines = [start, title, ""]
     lines.append(
         f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; load average {m['load_before']} before, "
         f"{m['load_after']} after (other engineers' jobs were running: read the ratios). "
@@ -223,8 +231,8 @@ def section(res: dict, argv: list[str]) -> str:
         d = res["decode"]
         names = list(d["engines"])
         base = names[0]
-        lines += [f"### Decode ({res['args']['steps']} steps after a {res['args']['prompt_len']}-token prompt, median ms per step, "
-                  f"median of {res['args']['reps']} alternating runs)", ""]
+        lines += [f"### Decode ({res['args']['steps']} steps after a {res['args']['prompt_len']}-token prompt; ms per step: the fastest "
+                  f"step of each run, median of {res['args']['reps']} alternating runs)", ""]
         lines += ["| engine | weights (MiB) | linear layers (MiB) | " + " | ".join(f"batch {b}: ms/step (tok/s) | vs {base}" for b in d["decode"]) + " |"]
         lines += ["|---|---|---|" + "---|---|" * len(d["decode"])]
         for n in names:
@@ -243,14 +251,15 @@ def section(res: dict, argv: list[str]) -> str:
             if isinstance(r, dict):
                 lines.append(f"| {label} | {r['load_s']:.1f} | {r['first_tokens_s']:.1f} | {r['total_s']:.1f} |")
         lines.append("")
-    lines.append(END)
+    lines.append(end)
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
+def write_section(path: Path, text: str, size: str) -> None:
+    start, end = markers(size)
     old = path.read_text() if path.exists() else "# Benchmarks\n\nEvery number here comes with the command that produced it.\n"
-    if START in old and END in old:
-        new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _m: text, old, flags=re.S)
+    if start in old and end in old:
+        new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _m: text, old, flags=re.S)
     else:
         new = old.rstrip("\n") + "\n\n" + text + "\n"
     path.write_text(new)
@@ -312,7 +321,7 @@ def main() -> None:
     if str(args.out) == "-":
         print(text)
     else:
-        write_section(args.out, text)
+        write_section(args.out, text, args.size)
         print(f"wrote {args.out}", file=sys.stderr)
 
 
