@@ -96,7 +96,10 @@ def portaserve_kv_cache_allocators() -> "Mapping[str, type[KVCacheAllocator] | s
 def portaserve_quant_methods() -> "Mapping[str, type[QuantMethod] | str]":
     """Return quantization methods, registered by their ``name`` (``--quantization NAME``).
 
-    Each declares the platforms and platform features it requires.
+    Each declares the platforms and platform features it requires. A platform's faster
+    implementation of another method's numerics (a prepacked-weight matmul for "none")
+    sets ``variant_of`` to that method's name; the plan then uses it in that method's place
+    wherever it can run.
 
     :returns: mapping of method name to class or ``"module:Class"`` string.
     """

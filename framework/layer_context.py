@@ -50,9 +50,14 @@ class LayerContext:
     def dtype(self) -> torch.dtype:
         return self.plan.torch_dtype
 
-    def quant_method(self, prefix: str = "") -> QuantMethod:
-        """A fresh QuantMethod instance for the linear layer at `prefix` (e.g. 'model.layers.0.mlp')."""
-        cls = self.registry.get("quant_methods", self.plan.quantization.name)
+    def quant_method(self, prefix: str = "", *, unquantized: bool = False) -> QuantMethod:
+        """A fresh QuantMethod instance for the linear layer at `prefix` (e.g. 'model.layers.0.mlp').
+
+        :param unquantized: for a layer that is never quantized (the LM head): "none" or
+            the platform's variant of it, whatever --quantization says.
+        """
+        name = self.plan.unquantized_method if unquantized else self.plan.quantization.name
+        cls = self.registry.get("quant_methods", name)
         method = cls(dict(self.plan.quantization_config))
         method.prefix = prefix
         method.platform_features = frozenset(self.plan.platform_features)

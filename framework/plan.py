@@ -60,6 +60,9 @@ class ExecutionPlan:
     quantization_config: Mapping[str, Any] = field(default_factory=dict)
     #: The platform's declared features (QuantMethods pick variants by them, e.g. an fp8 flavour).
     platform_features: tuple[str, ...] = ()
+    #: The method for layers that are never quantized (the LM head): "none", or the
+    #: platform's variant of it (see QuantMethod.variant_of).
+    unquantized_method: str = "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -136,8 +139,10 @@ def resolve_plan(
     attention = tuple(
         (layer_type, _choose_attention(config, registry, platform, layer_type, spec)) for layer_type, spec in specs.items()
     )
-    quant_choice, quant_config = _choose_quantization(config, registry, platform, hf_config, torch_dtype)
     compilation, compile_backend = _choose_compilation(config, platform)
+    quant_choice, quant_config, unquantized = _choose_quantization(
+        config, registry, platform, hf_config, torch_dtype, compiled=compilation.name != "none"
+    )
     return ExecutionPlan(
         platform=platform_row,
         device=platform.info,
@@ -156,6 +161,7 @@ def resolve_plan(
         tensor_parallel_size=config.tensor_parallel_size,
         quantization_config=quant_config,
         platform_features=tuple(sorted(caps.features)),
+        unquantized_method=unquantized,
     )
 
 
@@ -294,7 +300,11 @@ def _choose_component(registry: PluginRegistry, kind: str, platform: Platform, w
     return Choice(wanted, f"platform {platform.name}'s default", others)
 
 
-def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> tuple[Choice, dict]:
+def _choose_quantization(
+    config, registry, platform, hf_config, torch_dtype, compiled: bool = False
+) -> tuple[Choice, dict, str]:
+    """(the linear layers' method, the checkpoint's quantization_config, the method for
+    layers that are never quantized)."""
     methods = registry.load_all("quant_methods")
     qcfg = dict(hf_config.get("quantization_config") or {})
     features = platform.capabilities().features
@@ -311,7 +321,11 @@ def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> 
         return cls.unsupported_reason(features, torch_dtype, config)
 
     # what the platform offers at all (a checkpoint format is listed whatever this checkpoint holds)
-    supported = [n for n in sorted(methods) if usable_reason(n, for_checkpoint=False) is None]
+    # (platform variants are implementations, not choices: they are not listed)
+    supported = [
+        n for n in sorted(methods)
+        if usable_reason(n, for_checkpoint=False) is None and getattr(methods[n], "variant_of", None) is None
+    ]
     if config.quantization is not None:
         name, source = config.quantization, f"--quantization {config.quantization}"
         if checkpoint_method not in (None, "none", name):
@@ -330,7 +344,40 @@ def _choose_quantization(config, registry, platform, hf_config, torch_dtype) -> 
             f"quantization: {name!r} is not available on platform {platform.name} ({why}); "
             f"methods supported there: {', '.join(supported)}"
         )
-    return Choice(name, source, tuple((n, "not requested") for n in supported if n != name)), qcfg
+    rejected = [(n, "not requested") for n in supported if n != name and getattr(methods[n], "variant_of", None) != name]
+    # a platform variant replaces the method unless the user named the method itself
+    # (`--quantization none` is the escape hatch to plain F.linear)
+    unquantized = _choose_variant(methods, "none", usable_reason, compiled)[0] or "none"
+    variant, variant_rejected = None, []
+    if config.quantization is None:
+        variant, variant_rejected = _choose_variant(methods, name, usable_reason, compiled)
+    elif name == "none":
+        unquantized = "none"
+        variant_rejected = [(n, f"--quantization {name} names the plain method") for n, c in methods.items() if getattr(c, "variant_of", None) == name]
+    rejected += variant_rejected
+    if variant is not None:
+        cls = methods[variant]
+        summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "a platform variant"
+        choice = Choice(variant, f"{source}; {variant} implements {name!r} on {platform.name} ({summary})", tuple(rejected))
+        return choice, qcfg, unquantized
+    return Choice(name, source, tuple(rejected)), qcfg, unquantized
+
+
+def _choose_variant(methods, name: str, usable_reason, compiled: bool) -> tuple[str | None, list[tuple[str, str]]]:
+    """The best registered platform variant of method `name` (see QuantMethod.variant_of)."""
+    best: tuple[int, str] | None = None
+    rejected = []
+    for cand, cls in sorted(methods.items()):
+        if cand == name or getattr(cls, "variant_of", None) != name:
+            continue
+        why = usable_reason(cand, for_checkpoint=False)
+        if why is None and compiled and not cls.traceable:
+            why = "cannot be traced by torch.compile; the compiled graph does its own weight packing"
+        if why is not None:
+            rejected.append((cand, why))
+        elif best is None or cls.variant_priority > best[0]:
+            best = (cls.variant_priority, cand)
+    return (best[1] if best else None), rejected
 
 
 def _checkpoint_quant_method(qcfg: Mapping[str, Any]) -> str:

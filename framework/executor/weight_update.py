@@ -219,9 +219,11 @@ class WeightStager:
     def _stage_for(self, param: nn.Parameter) -> nn.Parameter:
         entry = self.staged.get(id(param))
         if entry is None:
-            stage = nn.Parameter(param.data.clone(), requires_grad=False)
+            # a QuantMethod that repacked the weight (and left a placeholder) reads it back
+            dense = getattr(param, "dense_data", None)
+            stage = nn.Parameter(dense() if dense is not None else param.data.clone(), requires_grad=False)
             for key, value in vars(param).items():  # shard tags (output_dim, ...) travel along
-                if key != "weight_loader":
+                if key not in ("weight_loader", "dense_data", "release_packed"):
                     setattr(stage, key, value)
             entry = (param, stage)
             self.staged[id(param)] = entry
@@ -282,7 +284,11 @@ class WeightStager:
         num_bytes = 0
         changed: set[int] = set()
         for param, stage in self.staged.values():
-            param.data.copy_(stage.data)
+            if getattr(param, "dense_data", None) is not None:
+                # a placeholder: the staged tensor becomes the data, to be repacked below
+                param.data = stage.data
+            else:
+                param.data.copy_(stage.data)
             num_bytes += param.numel() * param.element_size()
             changed.add(id(param))
         for module in self.model.modules():

@@ -172,7 +172,14 @@ class Worker:
         if level >= 2 and not getattr(self, "_offloaded", None):
             self._offloaded = []
             for param in _unique_params(runner.model):
-                host = param.data.to("cpu", copy=True)
+                dense = getattr(param, "dense_data", None)
+                if dense is not None:
+                    # a placeholder for a weight its QuantMethod repacked: keep the values,
+                    # free the packed copy; wake_up repacks
+                    host = dense().to("cpu")
+                    param.release_packed()
+                else:
+                    host = param.data.to("cpu", copy=True)
                 weight_bytes += param.numel() * param.element_size()
                 # an empty tensor in place of the data: the device storage is freed, the
                 # Parameter object (and every tie to it) stays
@@ -190,6 +197,10 @@ class Worker:
                 param.data = host.to(runner.device)
                 weight_bytes += param.numel() * param.element_size()
             self._offloaded = []
+            for module in runner.model.modules():
+                weight = getattr(module, "weight", None)
+                if getattr(weight, "dense_data", None) is not None and weight.stride() != (0, 0):
+                    module.quant_method.process_weights_after_loading(module)  # repack
         if "kv_cache" in tags and getattr(self, "_kv_released", False):
             runner.initialize_kv_cache(runner.num_blocks)
             kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)

@@ -29,6 +29,15 @@ class QuantMethod(ABC):
     supported_act_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {torch.float32, torch.bfloat16, torch.float16}
     )
+    #: A platform-specific implementation of another method's numerics declares that
+    #: method's name here (e.g. "none" for a repacked-weight matmul). The plan then picks
+    #: the highest-`variant_priority` usable variant in place of the method it implements,
+    #: and says so in the plan's reason.
+    variant_of: ClassVar[str | None] = None
+    variant_priority: ClassVar[int] = 0
+    #: False when `apply` cannot be traced by torch.compile (an opaque packed weight);
+    #: such a variant is skipped when the plan compiles the model.
+    traceable: ClassVar[bool] = True
     #: The chosen platform's declared features, set on each instance by the LayerContext
     #: (a method may pick a variant by them, e.g. an fp8 flavour).
     platform_features: frozenset[str] = frozenset()

@@ -10,8 +10,10 @@ its matmul wants (so `layer.parameters()` measures the real weight memory).
   bf16 and fp32 `F.linear` at decode sizes, while its fp32 and fp16 activation paths are
   5-20x slower. So every model dtype runs it with bfloat16 activations (an fp32 model's
   activations are rounded to bf16 for the matmul; the int8 rounding of the weights
-  dominates that error). Its bf16 path needs in_features to be a multiple of 4
-  (torch 2.13 crashes otherwise), hence the `in_features % 8` check.
+  dominates that error). Its bf16 path segfaults in torch 2.13 unless in_features is
+  a multiple of the vector width: 8 was enough on AVX2, but on an AVX-512 machine
+  (Zen5) in_features 72 and 136 crash while 64, 80 and 144 work — hence the
+  `in_features % 16` check (other layers take the dequantize path).
 - "triton_int8": `portaserve.kernels.int8_matmul` on GPU devices (imported lazily: the
   framework never imports triton itself).
 - "torch_dequant": `F.linear(x, q.to(dtype)) * s`, everywhere else (XLA fuses the cast).
@@ -62,7 +64,7 @@ class CpuInt8PackKernel(Int8Kernel):
 
     @classmethod
     def can_run(cls, device, act_dtype, in_features) -> bool:
-        return device.type == "cpu" and in_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        return device.type == "cpu" and in_features % 16 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
     def prepare(self, layer, q, scale) -> None:
         layer.weight = _param(q.contiguous())

@@ -62,6 +62,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, ctx: LayerContext, prefix: str = "", bias: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim, ctx, prefix)
         self.bias = None
+        # the logits matmul runs through the unquantized method (a platform may repack the
+        # weight for it); create_weights is not called: the weight is the embedding-shaped one
+        self.quant_method = ctx.quant_method(prefix, unquantized=True)
+        self.keep_dense_weight = False
         if bias:
             self.bias = nn.Parameter(torch.empty(self.rows_per_rank, dtype=ctx.dtype), requires_grad=False)
             self.bias.weight_loader = self._bias_loader
@@ -69,6 +73,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings)."""
         self.weight = embedding.weight
+        # the embedding looks rows up in it: a repacking method keeps the dense copy too
+        self.keep_dense_weight = True
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = self.vocab_end - self.vocab_start
@@ -84,7 +90,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         The matmul runs in the model dtype (as transformers does) and only the result is
         widened, so the sampler works in float32.
         """
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = self.quant_method.apply(self, hidden, self.bias)
         if self.tp_size > 1:
             logits = self.communicator.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()

@@ -30,3 +30,9 @@ def portaserve_communicators():
 @hookimpl
 def portaserve_kv_cache_allocators():
     return {"cpu": "portaserve.platforms.cpu.kv_cache:HostKVCacheAllocator"}
+
+
+@hookimpl
+def portaserve_quant_methods():
+    # the plan picks it in place of "none" (see QuantMethod.variant_of)
+    return {"onednn": "portaserve.platforms.cpu.onednn_linear:OneDnnLinearMethod"}

@@ -69,8 +69,14 @@ def prompt_logits(loaded: Loaded, prompt: Sequence[int]) -> torch.Tensor:
 
 
 def linear_layers(model):
-    """(name, module) of every layer a QuantMethod owns."""
-    return [(n, m) for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None]
+    """(name, module) of every linear layer a QuantMethod owns (the LM head, never
+    quantized, is not one)."""
+    from portaserve.models.layers.embedding import ParallelLMHead
+
+    return [
+        (n, m) for n, m in model.named_modules()
+        if getattr(m, "quant_method", None) is not None and not isinstance(m, ParallelLMHead)
+    ]
 
 
 def layer_bytes(module) -> int:
