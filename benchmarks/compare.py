@@ -202,6 +202,9 @@ def main() -> None:
                     print(f"  batch {batch} {system}: {runs[system][-1]:.1f} output tok/s", flush=True)
             results["throughput"][batch] = {s: {"runs": v, "median": median(v)} for s, v in runs.items()}
 
+    # what is measured so far survives a later section's failure
+    Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+
     if "decode" not in skip:
         cmd = [PY, "-m", "portaserve.framework.cli", "bench", "latency", "--model", str(ckpt), "--dtype", args.dtype,
                "--batch-size", "1", "--input-len", str(args.input_len), "--output-len", "128", "--num-iters", str(args.reps)]
@@ -211,6 +214,8 @@ def main() -> None:
         limit = info["copy_bandwidth_gbs"] * 1e9 / 2 / info["weight_bytes"]  # one read of the weights per token
         results["decode"] = {"step_s": step, "tokens_per_s": 1 / step, "bandwidth_limit_tokens_per_s": limit,
                              "fraction_of_limit": (1 / step) / limit, "engine_overhead_share": r["engine_overhead_share"]["median"]}
+
+    Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
 
     if "serve" not in skip:
         serve_runs: dict[str, list[dict]] = {s: [] for s in systems if s != "transformers"}
