@@ -426,9 +426,11 @@ def test_dropped_streams_abort_and_free_blocks(srv, http):
 
 def test_dropped_non_streaming_request_is_aborted(srv, http):
     before = metric(scrape(http), "portaserve:request_success_total", finished_reason="abort")
+    # 16 choices x 120 tokens: far longer than the client waits (the tiny model decodes a
+    # single sequence's 120 tokens in well under a second on the CPU)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=1.5,
-                   json={"prompt": "long", "max_tokens": 120, "ignore_eos": True})
+        httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=0.5,
+                   json={"prompt": "long", "max_tokens": 120, "ignore_eos": True, "n": 16, "temperature": 1.0})
     assert wait_for(lambda: metric(scrape(http), "portaserve:request_success_total", finished_reason="abort") > before, 20)
     assert wait_for(lambda: srv.engine.latest_stats.num_running == 0, 20)
 
