@@ -344,7 +344,7 @@ def _choose_quantization(
             f"quantization: {name!r} is not available on platform {platform.name} ({why}); "
             f"methods supported there: {', '.join(supported)}"
         )
-    rejected = [(n, "not requested") for n in supported if n != name and getattr(methods[n], "variant_of", None) != name]
+    rejected = [(n, "not requested") for n in supported if n != name]
     # a platform variant replaces the method unless the user named the method itself
     # (`--quantization none` is the escape hatch to plain F.linear)
     unquantized = _choose_variant(methods, "none", usable_reason, compiled)[0] or "none"
