@@ -11,6 +11,9 @@ broadcast by a trainer over a collective. It goes through three phases:
    this rank's shard — but into a *copy* of the parameter, never the live one.
 3. **commit** (every rank, only when every rank staged without error): copy the staged
    tensors into the live parameters and run each layer's `process_weights_after_loading`.
+   A parameter its QuantMethod quantized or repacked is staged in the checkpoint's layout
+   (`QuantMethod.checkpoint_layout`: int8 dequantized, oneDNN unpacked) and processed
+   again on commit, so a quantized engine takes float updates like an unquantized one.
    Otherwise every rank discards its copies and the old weights keep serving.
 
 Staging holds a second copy of the parameters an update changes until it commits.
@@ -215,13 +218,28 @@ class WeightStager:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.staged: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        #: staged parameters whose QuantMethod transformed them after loading: the staged
+        #: tensor (in the checkpoint's layout) replaces their data and the method re-runs
+        self.transformed: set[int] = set()
+        #: id(parameter) -> (layer, attribute name) for the layers a QuantMethod serves;
+        #: rebuilt per update (processing may register new parameters)
+        self.owners: dict[int, tuple[nn.Module, str]] = {}
+
+    def _find_owners(self) -> None:
+        self.owners = {}
+        for module in self.model.modules():
+            if getattr(module, "quant_method", None) is not None:
+                for name, param in module.named_parameters(recurse=False):
+                    self.owners.setdefault(id(param), (module, name))
 
     def _stage_for(self, param: nn.Parameter) -> nn.Parameter:
         entry = self.staged.get(id(param))
         if entry is None:
-            # a QuantMethod that repacked the weight (and left a placeholder) reads it back
-            dense = getattr(param, "dense_data", None)
-            stage = nn.Parameter(dense() if dense is not None else param.data.clone(), requires_grad=False)
+            owner = self.owners.get(id(param))
+            layout = owner[0].quant_method.checkpoint_layout(*owner) if owner is not None else None
+            if layout is not None:
+                self.transformed.add(id(param))
+            stage = nn.Parameter(layout if layout is not None else param.data.clone(), requires_grad=False)
             for key, value in vars(param).items():  # shard tags (output_dim, ...) travel along
                 if key not in ("weight_loader", "dense_data", "release_packed"):
                     setattr(stage, key, value)
@@ -237,6 +255,7 @@ class WeightStager:
         :raises InvalidParameterError: naming the tensor that does not fit.
         """
         params = _unique_params(self.model)
+        self._find_owners()
         saved = {id(p): p.__dict__.get("weight_loader") for p in params}
         current: list[str | None] = [None]
         failure: list[str] = []
@@ -246,9 +265,10 @@ class WeightStager:
             def staged_loader(param, loaded, *shard):
                 name = current[0]
                 try:
-                    if loaded.is_floating_point() != param.is_floating_point():
-                        raise ValueError(f"checkpoint tensor has dtype {loaded.dtype}, the parameter is {param.dtype}")
-                    (original or _plain_loader)(self._stage_for(param), loaded, *shard)
+                    stage = self._stage_for(param)
+                    if loaded.is_floating_point() != stage.is_floating_point():
+                        raise ValueError(f"checkpoint tensor has dtype {loaded.dtype}, the parameter is {stage.dtype}")
+                    (original or _plain_loader)(stage, loaded, *shard)
                 except ValueError as exc:
                     failure.append(f"tensor {name!r}: {exc}")
                     raise
@@ -284,8 +304,8 @@ class WeightStager:
         num_bytes = 0
         changed: set[int] = set()
         for param, stage in self.staged.values():
-            if getattr(param, "dense_data", None) is not None:
-                # a placeholder: the staged tensor becomes the data, to be repacked below
+            if id(param) in self.transformed:
+                # quantized / repacked: the staged tensor becomes the data, processed below
                 param.data = stage.data
             else:
                 param.data.copy_(stage.data)
@@ -296,10 +316,12 @@ class WeightStager:
             if method is not None and any(id(p) in changed for p in module.parameters(recurse=False)):
                 method.process_weights_after_loading(module)
         self.staged.clear()
+        self.transformed.clear()
         return num_bytes
 
     def discard(self) -> None:
         self.staged.clear()
+        self.transformed.clear()
 
 
 def stage_safely(stager: WeightStager, weights: Iterable[tuple[str, torch.Tensor]], *, partial: bool) -> StageResult:

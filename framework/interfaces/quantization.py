@@ -82,6 +82,19 @@ class QuantMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn loaded checkpoint tensors into the form `apply` uses (quantize, repack)."""
 
+    def checkpoint_layout(self, layer: nn.Module, param_name: str) -> torch.Tensor | None:
+        """The current values of `layer.<param_name>` in the layout `create_weights` gave it
+        (the one the checkpoint loader writes), for a parameter that
+        `process_weights_after_loading` transformed (quantized, repacked); None when the
+        parameter still has that layout.
+
+        A live weight update loads the new values into this tensor, makes it the
+        parameter's data and calls `process_weights_after_loading` again, so a method
+        that returns a tensor here must accept that second call (and keep the parameter's
+        loader tags, `weight_loader`, `output_dim`, ..., on what it registers).
+        """
+        return None
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Compute `x @ W^T (+ bias)`.

@@ -80,11 +80,29 @@ class Int8WeightOnlyMethod(QuantMethod):
             q, scale = layer.weight.data, layer.weight_scale.data.reshape(-1).float()
         else:
             q, scale = quantize_int8_per_channel(layer.weight.data)
+        # the loader's tags (weight_loader, output_dim, ...) move to the new parameters, so a
+        # live weight update loads through them as the checkpoint did
+        tags = {n: dict(vars(getattr(layer, n))) for n in ("weight", "weight_scale") if hasattr(layer, n)}
         del layer.weight  # frees the float weight before the kernel's copy exists
         if hasattr(layer, "weight_scale"):
             del layer.weight_scale
         self.kernel = choose_int8_kernel(q.device, layer.act_dtype, q.shape[1])
         self.kernel.prepare(layer, q, scale)
+        for n, attrs in tags.items():
+            vars(getattr(layer, n)).update(attrs)
+        if not self.prequantized:
+            # computed here, not read from the checkpoint (a weight update requantizes)
+            layer.weight_scale.derived_after_loading = True
+
+    def checkpoint_layout(self, layer: nn.Module, param_name: str) -> torch.Tensor | None:
+        if self.kernel is None:
+            return None  # not processed yet: still the checkpoint's layout
+        if param_name == "weight" and not self.prequantized:
+            # online: the checkpoint holds float weights; requantized after the update
+            return dequantize_int8(layer.weight.data, layer.weight_scale.data).to(layer.act_dtype)
+        if param_name == "weight_scale" and self.prequantized:
+            return layer.weight_scale.data.float().reshape(-1, 1)  # compressed-tensors' [out, 1]
+        return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel is None:

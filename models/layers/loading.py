@@ -66,7 +66,9 @@ def load_checkpoint(
                 continue  # tied: the same tensor under a second name
             seen.add(id(param))
             full = f"{module_name}.{pname}" if module_name else pname
-            if full in params:
+            # a tensor a QuantMethod derived after loading (online int8's scales) is not
+            # the checkpoint's to fill
+            if full in params and not getattr(param, "derived_after_loading", False):
                 expected[full] = _shards_of(module)
     filled: set[tuple[str, object]] = set()
     consumed: set[str] = set()

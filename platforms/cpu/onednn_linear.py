@@ -80,6 +80,11 @@ class OneDnnLinearMethod(UnquantizedMethod):
             layer.register_state_dict_post_hook(_dense_weight_in_state_dict)
             layer._dense_state_dict_hook = True
 
+    def checkpoint_layout(self, layer: nn.Module, param_name: str) -> torch.Tensor | None:
+        if param_name == "weight" and layer.weight.stride() == (0, 0) and getattr(layer, "packed_weight", None) is not None:
+            return layer.packed_weight.to_dense()  # the placeholder's real values
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)
         if packed is None:

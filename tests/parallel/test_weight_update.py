@@ -92,6 +92,35 @@ def test_update_from_folder_under_tp2(folders, reference_ids):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_int8_engine_takes_float_updates(tp, folders):
+    """An engine that quantized its checkpoint online stages a float update in the
+    checkpoint's layout and quantizes it again: it then equals a fresh int8 engine on the
+    new weights (the same float shards quantize to the same int8 ones; under TP a
+    row-parallel shard has its own scales, so the reference runs at the same TP size)."""
+    kw = dict(ENGINE_KW, quantization="int8", dtype="bfloat16", tensor_parallel_size=tp)
+
+    def fresh_ids(folder):
+        engine = LLM(folder, **kw)
+        try:
+            return generate_ids(engine, PROMPTS)
+        finally:
+            engine.shutdown()
+
+    want_old, want_new = fresh_ids(folders[0]), fresh_ids(folders[1])
+    assert want_old != want_new
+    llm = LLM(folders[0], **kw)
+    try:
+        assert generate_ids(llm, PROMPTS) == want_old
+        result = llm.update_weights(folders[1])
+        assert result["weights_version"] == 1
+        assert generate_ids(llm, PROMPTS) == want_new
+        llm.update_weights(folders[0])  # the re-registered int8 parameters take a second update
+        assert generate_ids(llm, PROMPTS) == want_old
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("case", ["missing_folder", "wrong_shape", "unknown_tensor", "missing_tensor", "integer_tensor",
                                   "other_architecture"])
 def test_bad_folder_is_rejected_and_old_weights_keep_serving(case, llm, folders, checkpoint, reference_ids, tmp_path):
