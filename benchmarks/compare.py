@@ -176,6 +176,11 @@ def main() -> None:
     info["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
     info["weight_bytes"] = weight_bytes(ckpt)
     results: dict = {"machine": info, "commands": {}, "throughput": {}, "decode": {}, "serve": {}}
+
+    def save() -> None:
+        # after each section, so what is measured survives a later section's failure
+        Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
 
     def offline_cmd(system: str, batch: int) -> tuple[list[str], dict]:
@@ -202,8 +207,7 @@ def main() -> None:
                     print(f"  batch {batch} {system}: {runs[system][-1]:.1f} output tok/s", flush=True)
             results["throughput"][batch] = {s: {"runs": v, "median": median(v)} for s, v in runs.items()}
 
-    # what is measured so far survives a later section's failure
-    Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    save()
 
     if "decode" not in skip:
         cmd = [PY, "-m", "portaserve.framework.cli", "bench", "latency", "--model", str(ckpt), "--dtype", args.dtype,
@@ -215,7 +219,7 @@ def main() -> None:
         results["decode"] = {"step_s": step, "tokens_per_s": 1 / step, "bandwidth_limit_tokens_per_s": limit,
                              "fraction_of_limit": (1 / step) / limit, "engine_overhead_share": r["engine_overhead_share"]["median"]}
 
-    Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    save()
 
     if "serve" not in skip:
         serve_runs: dict[str, list[dict]] = {s: [] for s in systems if s != "transformers"}
@@ -245,7 +249,7 @@ def main() -> None:
         results["serve"] = serve_runs
 
     info["load_after"] = os.getloadavg()
-    Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    save()
     Path(args.out).write_text(render(results, args))
     print(f"wrote {args.out}")
 

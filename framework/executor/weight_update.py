@@ -217,10 +217,10 @@ class WeightStager:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.staged: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-        #: staged parameters whose QuantMethod transformed them after loading: the staged
-        #: tensor (in the checkpoint's layout) replaces their data and the method re-runs
-        self.transformed: set[int] = set()
+        #: id(live parameter) -> (live parameter, staged copy, transformed): `transformed`
+        #: when its QuantMethod quantized / repacked it after loading, so the staged tensor
+        #: (in the checkpoint's layout) replaces its data and the method runs again
+        self.staged: dict[int, tuple[nn.Parameter, nn.Parameter, bool]] = {}
         #: id(parameter) -> (layer, attribute name) for the layers a QuantMethod serves;
         #: rebuilt per update (processing may register new parameters)
         self.owners: dict[int, tuple[nn.Module, str]] = {}
@@ -237,13 +237,11 @@ class WeightStager:
         if entry is None:
             owner = self.owners.get(id(param))
             layout = owner[0].quant_method.checkpoint_layout(*owner) if owner is not None else None
-            if layout is not None:
-                self.transformed.add(id(param))
             stage = nn.Parameter(layout if layout is not None else param.data.clone(), requires_grad=False)
             for key, value in vars(param).items():  # shard tags (output_dim, ...) travel along
                 if key not in ("weight_loader", "dense_data", "release_packed"):
                     setattr(stage, key, value)
-            entry = (param, stage)
+            entry = (param, stage, layout is not None)
             self.staged[id(param)] = entry
         return entry[1]
 
@@ -303,8 +301,8 @@ class WeightStager:
         """Copy every staged tensor into its live parameter; returns the bytes written."""
         num_bytes = 0
         changed: set[int] = set()
-        for param, stage in self.staged.values():
-            if id(param) in self.transformed:
+        for param, stage, transformed in self.staged.values():
+            if transformed:
                 # quantized / repacked: the staged tensor becomes the data, processed below
                 param.data = stage.data
             else:
@@ -316,12 +314,10 @@ class WeightStager:
             if method is not None and any(id(p) in changed for p in module.parameters(recurse=False)):
                 method.process_weights_after_loading(module)
         self.staged.clear()
-        self.transformed.clear()
         return num_bytes
 
     def discard(self) -> None:
         self.staged.clear()
-        self.transformed.clear()
 
 
 def stage_safely(stager: WeightStager, weights: Iterable[tuple[str, torch.Tensor]], *, partial: bool) -> StageResult:
