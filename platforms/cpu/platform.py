@@ -8,6 +8,7 @@ import platform as _pyplatform
 import torch
 
 from portaserve.framework.interfaces import SCORE_CPU, DeviceInfo, Platform, PlatformCapabilities
+from portaserve.platforms.cpu.host_allocator import keep_freed_memory
 
 # vLLM's CPU backend defaults to 4 GiB of KV cache; we also stay under a quarter of free RAM.
 DEFAULT_KV_CACHE_GIB = 4.0
@@ -111,6 +112,7 @@ class CpuPlatform(Platform):
         return int(min(DEFAULT_KV_CACHE_GIB * 2**30, available * 0.25))
 
     def _init_worker(self, local_rank: int) -> None:
+        keep_freed_memory()
         threads = os.environ.get("PORTASERVE_CPU_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
