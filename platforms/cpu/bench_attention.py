@@ -101,12 +101,28 @@ def _one_group(backend, batch):
     return group
 
 
+def _additive_mask(g):
+    """The group's boolean padding mask as 0 / -inf float32 (0 when it has none)."""
+    if g.mask is None:
+        return 0.0
+    return torch.zeros(g.mask.shape).masked_fill_(~g.mask, float("-inf"))
+
+
+def decode_float32_matmul(backend, g, q, table):
+    """float32 upcast of K/V, grouped matmuls, softmax in float32 (the default before SDPA)."""
+    n, hkv, r, d, L = g.num_seqs, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, g.kv_len
+    kv = table.index_select(0, g.rows).view(2, n, hkv, L, d).float()
+    qd = q.index_select(0, g.token_idx).view(n, hkv, r, d).float() * backend.spec.scale
+    s = torch.matmul(qd, kv[0].transpose(-1, -2)) + _additive_mask(g)
+    return torch.matmul(torch.softmax(s, -1), kv[1]).view(n, -1, d).to(q.dtype)
+
+
 def decode_native_matmul(backend, g, q, table):
     """Grouped matmul in the cache dtype (no float32 copy of K/V), softmax in float32."""
     n, hkv, r, d, L = g.num_seqs, backend.num_kv_heads, backend.gqa_ratio, backend.head_size, g.kv_len
     kv = table.index_select(0, g.rows).view(2, n, hkv, L, d)
     qd = q.index_select(0, g.token_idx).view(n, hkv, r, d) * backend.spec.scale
-    s = torch.matmul(qd, kv[0].transpose(-1, -2)).float() + g.mask
+    s = torch.matmul(qd, kv[0].transpose(-1, -2)).float() + _additive_mask(g)
     return torch.matmul(torch.softmax(s, -1).to(q.dtype), kv[1]).view(n, -1, d)
 
 
@@ -115,7 +131,7 @@ def decode_padded_sdpa(backend, g, q, table):
     n, hkv, d, L = g.num_seqs, backend.num_kv_heads, backend.head_size, g.kv_len
     kv = table.index_select(0, g.rows).view(2, n, hkv, L, d)
     qd = q.index_select(0, g.token_idx).unsqueeze(2)  # [n, heads, 1, d]
-    mask = g.mask.to(q.dtype)
+    mask = None if g.mask is None else g.mask.view(n, 1, 1, L)
     o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=mask, scale=backend.spec.scale, enable_gqa=True)
     return o.view(n, -1, d)
 
@@ -126,7 +142,7 @@ def decode_repeat_kv(backend, g, q, table):
     kv = table.index_select(0, g.rows).view(2, n, hkv, L, d).float()
     keys, values = kv[0].repeat_interleave(r, dim=1), kv[1].repeat_interleave(r, dim=1)
     qd = q.index_select(0, g.token_idx).float().unsqueeze(2) * backend.spec.scale
-    s = torch.matmul(qd, keys.transpose(-1, -2)) + g.mask
+    s = torch.matmul(qd, keys.transpose(-1, -2)) + _additive_mask(g)
     return torch.matmul(torch.softmax(s, -1), values).view(n, -1, d)
 
 
@@ -188,6 +204,7 @@ def bench_decode(dtype) -> None:
     rows_per_seq = [rows4[:, i, :, :L].reshape(-1).contiguous() for i, L in enumerate(glens)]
     q_sorted = q.index_select(0, order)
     alts = {
+        "alt, one group: float32 upcast + matmuls": lambda: decode_float32_matmul(backend, g, q, table),
         "alt, one group: matmul in cache dtype": lambda: decode_native_matmul(backend, g, q, table),
         "alt, one group: padded SDPA (enable_gqa)": lambda: decode_padded_sdpa(backend, g, q, table),
         "alt, one group: float32 matmul, repeated K/V": lambda: decode_repeat_kv(backend, g, q, table),

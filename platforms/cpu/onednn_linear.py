@@ -29,7 +29,8 @@ from torch import nn
 from portaserve.framework.unquantized import UnquantizedMethod
 
 
-def _dtype_supported(dtype: torch.dtype) -> bool:
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN multiplies `dtype` (bf16 / fp16 need hardware support)."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -55,14 +56,14 @@ class OneDnnLinearMethod(UnquantizedMethod):
 
     @classmethod
     def unsupported_reason(cls, features: frozenset[str], act_dtype: torch.dtype, config: Mapping[str, Any]) -> str | None:
-        if not _dtype_supported(act_dtype):
+        if not onednn_supports(act_dtype):
             return f"this CPU's oneDNN has no {str(act_dtype).removeprefix('torch.')} matmul"
         return super().unsupported_reason(features, act_dtype, config)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
         dense = weight.data
-        if dense.device.type != "cpu" or not _dtype_supported(dense.dtype):
+        if dense.device.type != "cpu" or not onednn_supports(dense.dtype):
             layer.packed_weight = None  # plain F.linear (a layer built off the CPU, in tests)
             return
         if dense.stride() == (0, 0):  # already packed: a re-run with nothing new

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portaserve.platforms.cpu.onednn_linear import OneDnnLinearMethod, _dtype_supported
+from portaserve.platforms.cpu.onednn_linear import OneDnnLinearMethod, onednn_supports
 
-DTYPES = [d for d in (torch.float32, torch.bfloat16) if _dtype_supported(d)]
+DTYPES = [d for d in (torch.float32, torch.bfloat16) if onednn_supports(d)]
 
 
 def _layer(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -81,7 +81,7 @@ def test_plan_uses_it_for_none_on_cpu_unless_compiling(plugin_env):
     platform = choose_platform(registry, "cpu")
     for dtype in ("float32", "bfloat16"):
         plan = resolve_plan(EngineConfig(dtype=dtype), registry, platform, hf)
-        if _dtype_supported(plan.torch_dtype):
+        if onednn_supports(plan.torch_dtype):
             assert plan.quantization.name == "onednn"
             assert "implements 'none'" in plan.quantization.reason
         else:
