@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -32,7 +33,20 @@ PY = sys.executable
 def sh(cmd: list[str], env: dict | None = None, timeout: float = 7200) -> dict:
     """Run a benchmark command; its last stdout line that parses as JSON is the result."""
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+    # Its own process group, killed afterwards: a worker process the command left behind
+    # (vLLM's engine core) would otherwise keep a core busy during the next system's run.
+    # Output goes to files, not pipes: a leftover process holding a pipe open would make
+    # reading it wait for that process.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env={**os.environ, **(env or {})},
+                                 start_new_session=True)
+        try:
+            child.wait(timeout=timeout)
+        finally:
+            _kill_group(child.pid)
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, child.returncode, out.read(), err.read())
     if proc.returncode != 0:
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     text = proc.stdout.strip()
@@ -45,6 +59,33 @@ def sh(cmd: list[str], env: dict | None = None, timeout: float = 7200) -> dict:
             except json.JSONDecodeError:
                 continue
     raise RuntimeError(f"no JSON result from {' '.join(cmd)}:\n{text[-2000:]}")
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left of a process group and wait until it is gone."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _live_members(pgid):
+        time.sleep(0.1)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of the group that still run (zombies, waiting for a reaper, do not count)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            live.append(int(entry))
+    return live
 
 
 def machine() -> dict:

@@ -5,6 +5,7 @@ generates exactly what it did before. Requests while asleep are rejected."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from portaserve import LLM
 from portaserve.framework.errors import InvalidParameterError
@@ -67,6 +68,29 @@ def test_sleep_and_wake_under_tp2(checkpoint, reference_ids):
         assert released["kv_cache_bytes"] == kv > 0 and released["weights_bytes"] > 0
         restored = llm.wake_up()
         assert restored["kv_cache_bytes"] == kv and restored["weights_bytes"] == released["weights_bytes"]
+        assert generate_ids(llm, PROMPTS) == want
+    finally:
+        llm.shutdown()
+
+
+def test_sleep_level2_on_an_int8_engine_restores_the_same_outputs(checkpoint):
+    """int8 keeps its own packed weights and scales (no oneDNN placeholder): level 2
+    moves them to host memory as they are and wake_up puts them back unrequantized."""
+    llm = LLM(checkpoint(ARCH), quantization="int8", **ENGINE_KW)
+    try:
+        want = generate_ids(llm, PROMPTS)
+        model = llm.llm_engine.core.executor.worker.runner.model
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        int8_params = {name: p.detach().clone() for name, p in qkv.named_parameters()}
+        assert any(p.dtype == torch.int8 for p in int8_params.values())
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        released = llm.sleep(level=2)
+        assert released["weights_bytes"] == weight_bytes > 0
+        assert all(p.numel() == 0 for p in model.parameters())
+        restored = llm.wake_up()
+        assert restored["weights_bytes"] == released["weights_bytes"]
+        for name, p in qkv.named_parameters():
+            assert p.dtype == int8_params[name].dtype and torch.equal(p, int8_params[name]), name
         assert generate_ids(llm, PROMPTS) == want
     finally:
         llm.shutdown()
