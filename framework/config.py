@@ -32,6 +32,9 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_prefill_tokens_with_decodes: int | None = Field(
+        None, ge=1, description="while requests are decoding, at most this many prompt tokens per step (chunked "
+        "prefill): bounds inter-token latency; None = the whole max_num_batched_tokens")
     block_size: int = Field(16, ge=1)
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks (tests)")

@@ -84,6 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_model_len", "longest prompt + output in tokens (default: the model's max_position_embeddings)"),
     Flag("max_num_seqs", "most requests in one batch"),
     Flag("max_num_batched_tokens", "most tokens one step computes (the chunked-prefill budget; default 2048)"),
+    Flag("max_prefill_tokens_with_decodes", "while requests are decoding, at most this many prompt tokens per "
+         "step: bounds inter-token latency at some cost in time to first token (default: no cap)"),
     Flag("block_size", "tokens per KV-cache block (a power of two the attention backend supports)"),
     Flag("kv_cache_memory", "GiB for the KV cache (default: what the platform has free, capped at what a full "
          "batch can use)", metavar="GIB"),

@@ -127,10 +127,12 @@ class _PriorityQueue:
 class _Step:
     """What one `schedule()` call has decided so far."""
 
-    __slots__ = ("budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted")
+    __slots__ = ("budget", "prefill_budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, prefill_budget: int) -> None:
         self.budget = budget
+        # tokens left for prompt chunks (<= budget; smaller while decodes run, see Scheduler)
+        self.prefill_budget = prefill_budget
         self.num_scheduled: dict[str, int] = {}  # in scheduling order
         self.new_blocks: dict[str, list[int]] = {}  # running requests' blocks added this step
         self.new_requests: list[Request] = []
@@ -151,7 +153,14 @@ class Scheduler:
         block_manager: BlockManager,
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
+        max_prefill_tokens_with_decodes: int | None = None,
     ) -> None:
+        if max_prefill_tokens_with_decodes is not None and (
+            not isinstance(max_prefill_tokens_with_decodes, int) or max_prefill_tokens_with_decodes < 1
+        ):
+            raise invalid(
+                "max_prefill_tokens_with_decodes", f"must be an integer >= 1 or None, got {max_prefill_tokens_with_decodes!r}"
+            )
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -168,6 +177,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
+        # While any request is decoding, a step takes at most this many prompt tokens
+        # (chunked prefill only): it bounds how long a decode waits behind other requests'
+        # prompts (inter-token latency) without shrinking the prefill-only steps.
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.policy = scheduling_policy
         self.block_manager = block_manager
 
@@ -314,11 +327,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch; advances each scheduled request's num_computed_tokens."""
-        step = _Step(self.max_num_batched_tokens)
+        step = _Step(self.max_num_batched_tokens, self._prefill_budget())
         preempted_running = self._schedule_running(step)
         if not preempted_running:
             self._schedule_waiting(step)
         return self._build_output(step)
+
+    def _prefill_budget(self) -> int:
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is None or not self.enable_chunked_prefill or cap >= self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        for request in self.running:
+            if len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens <= 1:
+                return cap  # someone is decoding
+        return self.max_num_batched_tokens
 
     def _schedule_running(self, step: _Step) -> bool:
         allocate = self.block_manager.allocate_slots
@@ -331,8 +353,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
+            is_prefill = num_new > 1
             if num_new > budget:
                 num_new = budget
+            if is_prefill and num_new > step.prefill_budget:
+                num_new = step.prefill_budget
             if num_new <= 0:
                 i += 1
                 continue
@@ -351,6 +376,8 @@ class Scheduler:
             num_scheduled[rid] = num_new
             step_new_blocks[rid] = new_blocks
             budget -= num_new
+            if is_prefill:
+                step.prefill_budget -= num_new
             i += 1
         step.budget = budget
         return preempted
@@ -358,7 +385,7 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         bm = self.block_manager
         waiting = self.waiting
-        while len(waiting) and step.budget > 0:
+        while len(waiting) and step.budget > 0 and step.prefill_budget > 0:
             request = waiting.peek()
             if request.request_id in step.preempted:
                 break  # it just made room for a better request
@@ -368,9 +395,9 @@ class Scheduler:
                 break
             hit_blocks, num_hit = bm.get_computed_blocks(request, record_stats=False)
             num_new = request.num_tokens - num_hit
-            if num_new > step.budget and not self._can_chunk(request, num_new):
+            if num_new > min(step.budget, step.prefill_budget) and not self._can_chunk(request, num_new):
                 break
-            num_new = min(num_new, step.budget)
+            num_new = min(num_new, step.budget, step.prefill_budget)
             new_blocks = bm.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 if self._make_room(request, step):
@@ -391,6 +418,7 @@ class Scheduler:
             step.admitted.add(request.request_id)
             step.num_scheduled[request.request_id] = num_new
             step.budget -= num_new
+            step.prefill_budget -= num_new
 
     def _make_room(self, request: Request, step: _Step) -> bool:
         """Priority policy: preempt one running request strictly worse than `request`.
@@ -411,7 +439,10 @@ class Scheduler:
             if rid in step.num_scheduled and bm.has_shared_uncomputed_blocks(victim, victim.num_computed_tokens):
                 continue
             if rid in step.num_scheduled:
-                step.budget += step.num_scheduled.pop(rid)
+                returned = step.num_scheduled.pop(rid)
+                step.budget += returned
+                if returned > 1:
+                    step.prefill_budget += returned
                 step.new_blocks.pop(rid, None)
             self.running.remove(victim)
             self._preempt(victim, step)

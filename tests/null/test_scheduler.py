@@ -152,7 +152,7 @@ class Result:
 
 
 def make(num_blocks=64, block_size=4, *, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, chunked=True,
-         policy="fcfs", caching=True, choose=None):
+         policy="fcfs", caching=True, choose=None, prefill_cap=None):
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)
     sched = Scheduler(
         max_num_seqs=max_num_seqs,
@@ -162,6 +162,7 @@ def make(num_blocks=64, block_size=4, *, max_num_seqs=8, max_num_batched_tokens=
         block_manager=bm,
         enable_chunked_prefill=chunked,
         scheduling_policy=policy,
+        max_prefill_tokens_with_decodes=prefill_cap,
     )
     return sched, FakeRunner(block_size, choose=choose)
 
@@ -298,6 +299,40 @@ def test_chunked_prefill_splits_long_prompt_while_decodes_run():
     res = drain(sched, runner, res)
     assert res["long"].tokens == reference(long_prompt, 4, ignore_eos=True)
     assert res["d1"].tokens == reference([3, 4, 5], 30, ignore_eos=True)
+
+
+def test_prefill_cap_while_decoding_bounds_prompt_tokens_per_step():
+    """max_prefill_tokens_with_decodes: a step with a decode in it takes at most the cap
+    of prompt tokens (running chunks and new prompts together); a step with no decode
+    takes the whole budget; outputs stay the reference."""
+    sched, runner = make(max_num_batched_tokens=32, prefill_cap=6)
+    results: dict[str, Result] = {}
+    first = prompts_mixed(2, seed=3, lo=8, hi=12)
+    later = prompts_mixed(4, seed=4, lo=10, hi=20)
+    for i, p in enumerate(first):
+        sched.add_request(new_req(f"a{i}", p, max_tokens=12, ignore_eos=True))
+    so = step(sched, runner, results)
+    assert so.total_num_scheduled_tokens == sum(len(p) for p in first)  # nothing decoding yet: full budget
+    for i, p in enumerate(later):
+        sched.add_request(new_req(f"b{i}", p, max_tokens=6, ignore_eos=True))
+    saw_capped_step = False
+    while sched.has_unfinished_requests():
+        so = step(sched, runner, results)
+        lens = {r.request_id: len(r.prompt_token_ids) + len(r.output_token_ids) for r in sched.running}
+        decodes = [rid for rid, n in so.num_scheduled_tokens.items() if n == 1]
+        prefill = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        if decodes:
+            assert prefill <= 6, so.num_scheduled_tokens
+            saw_capped_step |= prefill == 6
+        assert all(n <= lens.get(rid, n) for rid, n in so.num_scheduled_tokens.items())
+    assert saw_capped_step
+    for i, p in enumerate(first):
+        assert results[f"a{i}"].tokens == reference(p, 12, ignore_eos=True)
+    for i, p in enumerate(later):
+        assert results[f"b{i}"].tokens == reference(p, 6, ignore_eos=True)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
+    with pytest.raises(InvalidParameterError, match="max_prefill_tokens_with_decodes"):
+        make(prefill_cap=0)
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_the_budget():
