@@ -667,10 +667,12 @@ ops = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     chunked=st.booleans(),
     caching=st.booleans(),
+    prefill_cap=st.sampled_from([None, 1, 3]),
 )
-def test_random_add_abort_step(ops, num_blocks, block_size, budget, max_num_seqs, policy, chunked, caching):
+def test_random_add_abort_step(ops, num_blocks, block_size, budget, max_num_seqs, policy, chunked, caching, prefill_cap):
     sched, runner = make(
-        num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked=chunked, policy=policy, caching=caching
+        num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked=chunked, policy=policy,
+        caching=caching, prefill_cap=prefill_cap,
     )
     res: dict[str, Result] = {}
     added: dict[str, tuple[list[int], int]] = {}
