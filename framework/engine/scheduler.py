@@ -338,7 +338,7 @@ class Scheduler:
         if cap is None or not self.enable_chunked_prefill or cap >= self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         for request in self.running:
-            if len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens <= 1:
+            if request.num_tokens - request.num_computed_tokens <= 1:
                 return cap  # someone is decoding
         return self.max_num_batched_tokens
 
