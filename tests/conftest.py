@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+# The repository root holds the source folders pyproject.toml maps onto portaserve.*
+# (framework/, platforms/, models/, kernels/). `python -m pytest` puts the working
+# directory first on sys.path, where those folders shadow unrelated top-level packages
+# with the same names: transformers >= 5.25 imports the hub's `kernels` package and got
+# ours. The tests import the installed portaserve only, so the root comes off sys.path.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
 
 PLUGIN_ENV_VARS = (
     "PORTASERVE_DEVICE",
