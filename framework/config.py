@@ -6,9 +6,9 @@ switch. Invalid values raise `InvalidParameterError` naming the field and the ra
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InvalidParameterError
 
@@ -32,9 +32,10 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_prefill_tokens_with_decodes: int | None = Field(
-        None, ge=1, description="while requests are decoding, at most this many prompt tokens per step (chunked "
-        "prefill): bounds inter-token latency; None = the whole max_num_batched_tokens")
+    max_prefill_tokens_with_decodes: int | str | None = Field(
+        None, description="while requests are decoding, at most this many prompt tokens per step (chunked "
+        "prefill): bounds inter-token latency. 'auto': the platform's measured serving default (what "
+        "`portaserve serve` uses); None or 0: no cap, the whole max_num_batched_tokens (the offline API's default)")
     block_size: int = Field(16, ge=1)
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks (tests)")
@@ -67,6 +68,13 @@ class EngineConfig(BaseModel):
         description="fully-qualified 'module:Class' logits processors, instantiated once per worker (no arguments) "
         "and applied to every request as processor(output_token_ids, logits_row) -> logits_row",
     )
+
+    @field_validator("max_prefill_tokens_with_decodes", mode="before")
+    @classmethod
+    def _check_prefill_cap(cls, value: Any) -> int | str | None:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("must be an integer >= 0 (0: no cap), 'auto' (the platform's serving default) or None")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

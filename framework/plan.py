@@ -63,6 +63,9 @@ class ExecutionPlan:
     #: The method for layers that are never quantized (the LM head): "none", or the
     #: platform's variant of it (see QuantMethod.variant_of).
     unquantized_method: str = "none"
+    #: The scheduler's prompt-token cap for steps that carry decodes (None: no cap), and why.
+    prefill_cap_with_decodes: int | None = None
+    prefill_cap: Choice = Choice("none", "no cap requested")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,6 +85,7 @@ class ExecutionPlan:
             ("communicator", self.communicator),
             ("quantization", self.quantization),
             ("compilation", self.compilation),
+            ("prefill_cap", self.prefill_cap),
         ]
         return rows
 
@@ -162,6 +166,7 @@ def resolve_plan(
         quantization_config=quant_config,
         platform_features=tuple(sorted(caps.features)),
         unquantized_method=unquantized,
+        **_choose_prefill_cap(config, platform),
     )
 
 
@@ -386,6 +391,23 @@ def _checkpoint_quant_method(qcfg: Mapping[str, Any]) -> str:
     if method == "compressed-tensors":
         return "compressed-tensors"
     return method or "none"
+
+
+def _choose_prefill_cap(config: EngineConfig, platform: Platform) -> dict[str, Any]:
+    asked = config.max_prefill_tokens_with_decodes
+    if asked == "auto":
+        cap = platform.capabilities().serving_prefill_cap
+        reason = f"platform {platform.name}'s measured serving default"
+    else:
+        cap = asked or None
+        reason = "--max-prefill-tokens-with-decodes" if asked is not None else "the offline default"
+    if cap is not None and not config.enable_chunked_prefill:
+        cap, reason = None, f"{reason}, but chunked prefill is off: prompts are not split"
+    if cap is None:
+        choice = Choice("none", f"{reason}: a step with decodes takes the whole token budget")
+    else:
+        choice = Choice(f"{cap} prompt tokens", f"{reason}: at most {cap} prompt tokens in a step that carries decodes")
+    return {"prefill_cap_with_decodes": cap, "prefill_cap": choice}
 
 
 def _choose_compilation(config: EngineConfig, platform: Platform) -> tuple[Choice, str | None]:

@@ -125,6 +125,7 @@ def _platform_entry(registry: PluginRegistry, report) -> dict[str, Any]:
                 "features": sorted(caps.features),
                 "compile_backends": dict(caps.compile_backends),
                 "default_compilation_mode": caps.default_compilation_mode,
+                "serving_prefill_cap": caps.serving_prefill_cap,
             }
             entry["preferred_attention_backends"] = list(platform.preferred_attention_backends())
             entry["default_communicator"] = platform.default_communicator()

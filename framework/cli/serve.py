@@ -31,7 +31,7 @@ class Flag:
     help: str
     target: str = _ENGINE
     kind: str | None = None  # "bool" (--x/--no-x), "switch" (store_true), "list" (nargs="+"); None: from the type
-    default: Any = None  # server flags only; engine flags take EngineConfig's default
+    default: Any = None  # engine flags: serve's own default where it differs from EngineConfig's
     type: Any = None
     choices: tuple | None = None
     metavar: str | None = None
@@ -40,6 +40,15 @@ class Flag:
     @property
     def option(self) -> str:
         return "--" + self.dest.replace("_", "-")
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -85,7 +94,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_num_seqs", "most requests in one batch"),
     Flag("max_num_batched_tokens", "most tokens one step computes (the chunked-prefill budget; default 2048)"),
     Flag("max_prefill_tokens_with_decodes", "while requests are decoding, at most this many prompt tokens per "
-         "step: bounds inter-token latency at some cost in time to first token (default: no cap)"),
+         "step: bounds inter-token latency at some cost in time to first token; 'auto': the platform's measured "
+         "default (128 on the CPU, no cap on GPUs), 0: no cap", default="auto", type=_int_or_auto,
+         metavar="N|auto"),
     Flag("block_size", "tokens per KV-cache block (a power of two the attention backend supports)"),
     Flag("kv_cache_memory", "GiB for the KV cache (default: what the platform has free, capped at what a full "
          "batch can use)", metavar="GIB"),
@@ -141,7 +152,7 @@ def _add(parser: argparse.ArgumentParser, flag: Flag) -> None:
     kw: dict[str, Any] = {"dest": flag.dest, "help": flag.help}
     if flag.target == _ENGINE:
         field = _engine_field(flag.dest)
-        default = field.default
+        default = field.default if flag.default is None else flag.default
         kw["default"] = argparse.SUPPRESS  # absent: EngineConfig decides
         shown = "" if default is None else f" (default: {default})"
         kw["help"] = flag.help + shown
@@ -206,6 +217,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for flag in FLAGS:
         if flag.target == _ENGINE and hasattr(args, flag.dest):
             kw[flag.dest] = getattr(args, flag.dest)
+        elif flag.target == _ENGINE and flag.default is not None:
+            kw[flag.dest] = flag.default
     names = kw.get("served_model_name")
     if names:
         kw["served_model_name"] = names[0]

@@ -42,7 +42,7 @@ class EngineCore:
             block_size=config.block_size,
             enable_chunked_prefill=config.enable_chunked_prefill and not spec.is_pooling,
             scheduling_policy=config.scheduling_policy,
-            max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
+            max_prefill_tokens_with_decodes=spec.plan.prefill_cap_with_decodes,
             block_manager=self.block_manager,
         )
         self.weights_version = 0

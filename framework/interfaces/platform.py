@@ -67,6 +67,11 @@ class PlatformCapabilities:
     compile_backends: Mapping[str, str] = field(default_factory=dict)
     #: The mode used when the user asks for none: whatever was measured faster here.
     default_compilation_mode: str = "none"
+    #: The scheduler's cap on prompt tokens in a step that also carries decodes, used by
+    #: `portaserve serve` (max_prefill_tokens_with_decodes="auto"): where prefill is slow
+    #: per token, a large prompt chunk stalls every stream that is decoding. Set it from a
+    #: `bench serve` measurement on the device; None: no cap (prefill is cheap here).
+    serving_prefill_cap: int | None = None
 
 
 class Platform(ABC):

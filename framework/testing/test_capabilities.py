@@ -30,6 +30,8 @@ def test_capabilities_are_well_formed(caps):
     assert set(caps.compile_backends) <= COMPILATION_MODES, caps.compile_backends
     assert all(isinstance(b, str) and b for b in caps.compile_backends.values())
     assert caps.default_compilation_mode in {"none", *caps.compile_backends}
+    cap = caps.serving_prefill_cap
+    assert cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1), cap
 
 
 def test_capabilities_are_stable(platform, caps):

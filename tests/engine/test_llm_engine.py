@@ -191,3 +191,21 @@ def test_validation_errors_name_the_parameter(llm):
         SamplingParams(temperature=-1)
     assert "temperature" in str(e.value)
     assert_all_blocks_free(llm)
+
+
+def test_prefill_cap_reaches_the_scheduler_and_keeps_outputs(folder):
+    """max_prefill_tokens_with_decodes flows config -> ExecutionPlan -> scheduler: with a
+    cap of 8, prompts admitted while others decode take more, smaller steps, and greedy
+    outputs stay the same as uncapped."""
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([6, 40, 33, 50], seed=9)]
+    runs = {}
+    for cap in (0, 8):
+        engine = LLM(folder, dtype="float32", block_size=16, max_num_batched_tokens=32, max_prefill_tokens_with_decodes=cap)
+        plan = engine.llm_engine.plan
+        assert plan.prefill_cap_with_decodes == (cap or None), plan.prefill_cap
+        outputs = token_ids(engine.generate(prompts, greedy(8), use_tqdm=False))
+        runs[cap] = (outputs, engine.llm_engine.stats().num_steps)
+        assert_all_blocks_free(engine)
+        engine.shutdown()
+    assert runs[8][0] == runs[0][0]
+    assert runs[8][1] > runs[0][1], runs

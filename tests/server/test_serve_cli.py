@@ -75,6 +75,7 @@ def test_flags_to_config_and_settings(tmp_path):
     (["--enable-auto-tool-choice"], ["--tool-call-parser"]),
     (["--reasoning-parser", "nope"], ["deepseek_r1", "qwen3"]),
     (["--max-num-seqs", "0"], ["max_num_seqs"]),
+    (["--max-prefill-tokens-with-decodes", "-2"], ["max_prefill_tokens_with_decodes", ">= 0"]),
     (["--logits-processors", "no_such_module:X"], ["logits_processors", "no_such_module"]),
 ])
 def test_bad_flags_fail_before_the_engine_starts(argv, words, capsys):
@@ -168,6 +169,7 @@ def test_startup_prints_the_plan_and_the_url(served):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert "ExecutionPlan" in out and "platform" in out
+    assert re.search(r"prefill_cap\s+128 prompt tokens\s+\(platform cpu's measured serving default", out), out
     assert f"http://127.0.0.1:{port}/v1" in out
     assert "RANDOM WEIGHTS" in out
     assert proc.returncode == 0
