@@ -400,7 +400,7 @@ def _choose_prefill_cap(config: EngineConfig, platform: Platform) -> dict[str, A
         reason = f"platform {platform.name}'s measured serving default"
     else:
         cap = asked or None
-        reason = "--max-prefill-tokens-with-decodes" if asked is not None else "the offline default"
+        reason = f"max_prefill_tokens_with_decodes={asked}" if asked is not None else "not requested (the LLM API's default)"
     if cap is not None and not config.enable_chunked_prefill:
         cap, reason = None, f"{reason}, but chunked prefill is off: prompts are not split"
     if cap is None:

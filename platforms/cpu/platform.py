@@ -85,11 +85,12 @@ class CpuPlatform(Platform):
             features=frozenset({"int8_matmul"} | ({"triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())),
             compile_backends={"default": "inductor", "max": "inductor"},
             default_compilation_mode="none",
-            # A prompt token costs ~2 ms of matmul here (a Qwen2-0.5B-shaped model on 2
-            # cores): at 128 a mixed step stays within ~2.5x a 32-stream decode step.
-            # Measured with `bench serve` at 32 streams (BENCHMARKS.md): ITL p99 0.48 s against
-            # 0.4-3.6 s uncapped and 0.56-1.33 s at 192; the offline API keeps no cap.
-            serving_prefill_cap=128,
+            # A prompt token costs ~2-3 ms of matmul here (a Qwen2-0.5B-shaped model on 2
+            # cores), so a step mixing 30 decodes with a whole 2048-token prompt chunk stalls
+            # every stream for seconds. `bench serve` at 32 streams (BENCHMARKS.md): ITL p99
+            # 0.37-0.45 s at 96, ~0.48-0.65 s at 128, 0.4-3.6 s uncapped (vLLM ~0.6 s), with
+            # TTFT p99 still below vLLM's. The offline API keeps no cap.
+            serving_prefill_cap=96,
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ def plan_for(device="cpu", **kw):
     return resolve_plan(EngineConfig.create(device=device, **kw), registry, choose_platform(registry, device), TINY)
 
 
-@pytest.mark.parametrize("asked,want", [("auto", 128), (None, None), (0, None), (7, 7)])
+@pytest.mark.parametrize("asked,want", [("auto", 96), (None, None), (0, None), (7, 7)])
 def test_cpu_plan_prefill_cap(plugin_env, asked, want):
     plan = plan_for(max_prefill_tokens_with_decodes=asked)
     assert plan.prefill_cap_with_decodes == want

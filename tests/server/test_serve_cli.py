@@ -169,7 +169,7 @@ def test_startup_prints_the_plan_and_the_url(served):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert "ExecutionPlan" in out and "platform" in out
-    assert re.search(r"prefill_cap\s+128 prompt tokens\s+\(platform cpu's measured serving default", out), out
+    assert re.search(r"prefill_cap\s+96 prompt tokens\s+\(platform cpu's measured serving default", out), out
     assert f"http://127.0.0.1:{port}/v1" in out
     assert "RANDOM WEIGHTS" in out
     assert proc.returncode == 0
