@@ -166,7 +166,7 @@ def resolve_plan(
         quantization_config=quant_config,
         platform_features=tuple(sorted(caps.features)),
         unquantized_method=unquantized,
-        **_choose_prefill_cap(config, platform),
+        **_choose_prefill_cap(config, platform, is_pooling=bool(getattr(arch_cls, "is_pooling", False))),
     )
 
 
@@ -393,7 +393,7 @@ def _checkpoint_quant_method(qcfg: Mapping[str, Any]) -> str:
     return method or "none"
 
 
-def _choose_prefill_cap(config: EngineConfig, platform: Platform) -> dict[str, Any]:
+def _choose_prefill_cap(config: EngineConfig, platform: Platform, *, is_pooling: bool) -> dict[str, Any]:
     asked = config.max_prefill_tokens_with_decodes
     if asked == "auto":
         cap = platform.capabilities().serving_prefill_cap
@@ -401,8 +401,9 @@ def _choose_prefill_cap(config: EngineConfig, platform: Platform) -> dict[str, A
     else:
         cap = asked or None
         reason = f"max_prefill_tokens_with_decodes={asked}" if asked is not None else "not requested (the LLM API's default)"
-    if cap is not None and not config.enable_chunked_prefill:
-        cap, reason = None, f"{reason}, but chunked prefill is off: prompts are not split"
+    if cap is not None and (is_pooling or not config.enable_chunked_prefill):
+        why = "an encoder's prompts are never split" if is_pooling else "chunked prefill is off: prompts are not split"
+        cap, reason = None, f"{reason}, but {why}"
     if cap is None:
         choice = Choice("none", f"{reason}: a step with decodes takes the whole token budget")
     else:

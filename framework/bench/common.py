@@ -17,6 +17,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the batch size")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, help="prompt-token cap for steps with decodes "
+                   "(default: none, as in the LLM API)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
     p.add_argument("--quantization", default=None)
@@ -35,7 +37,8 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_prefix_caching": not args.no_enable_prefix_caching,
     }
-    for name in ("max_num_batched_tokens", "max_model_len", "kv_cache_memory", "quantization", "compilation_mode", "attention_backend"):
+    for name in ("max_num_batched_tokens", "max_prefill_tokens_with_decodes", "max_model_len", "kv_cache_memory", "quantization",
+                 "compilation_mode", "attention_backend"):
         value = getattr(args, name)
         if value is not None:
             kw[name] = value

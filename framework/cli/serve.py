@@ -95,7 +95,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_num_batched_tokens", "most tokens one step computes (the chunked-prefill budget; default 2048)"),
     Flag("max_prefill_tokens_with_decodes", "while requests are decoding, at most this many prompt tokens per "
          "step: bounds inter-token latency at some cost in time to first token; 'auto': the platform's measured "
-         "default (96 on the CPU, no cap on GPUs), 0: no cap", default="auto", type=_int_or_auto,
+         "value (printed as prefill_cap in the plan; `portaserve platforms --json` lists it), 0: no cap", default="auto", type=_int_or_auto,
          metavar="N|auto"),
     Flag("block_size", "tokens per KV-cache block (a power of two the attention backend supports)"),
     Flag("kv_cache_memory", "GiB for the KV cache (default: what the platform has free, capped at what a full "
@@ -153,7 +153,7 @@ def _add(parser: argparse.ArgumentParser, flag: Flag) -> None:
     if flag.target == _ENGINE:
         field = _engine_field(flag.dest)
         default = field.default if flag.default is None else flag.default
-        kw["default"] = argparse.SUPPRESS  # absent: EngineConfig decides
+        kw["default"] = argparse.SUPPRESS  # absent: the Flag's default, else EngineConfig's (engine_kwargs)
         shown = "" if default is None else f" (default: {default})"
         kw["help"] = flag.help + shown
         ftype, choices = _scalar(field.annotation)

@@ -53,18 +53,3 @@ def test_cpu_never_prefers_triton(plugin_env, monkeypatch, capsys):
     by_name = {c["name"]: c for c in doc["selection"]["plan"]["attention_candidates"]}
     assert "preferred" in by_name["cpu_paged"]["reason"]
     assert "preferred" not in by_name["triton"]["reason"]
-
-
-@pytest.fixture
-def engine_tiny_config():
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "vocab_size": 1000,
-        "max_position_embeddings": 512,
-        "torch_dtype": "bfloat16",
-    }

@@ -9,25 +9,20 @@ import pytest
 from portaserve.framework.config import EngineConfig
 from portaserve.framework.errors import InvalidParameterError
 
-TINY = {
-    "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512,
-    "torch_dtype": "bfloat16",
-}
 
 
-def plan_for(device="cpu", **kw):
+def plan_for(hf_config, device="cpu", **kw):
     from portaserve.framework.plan import resolve_plan
     from portaserve.framework.plugins import get_registry
     from portaserve.framework.selection import choose_platform
 
     registry = get_registry()
-    return resolve_plan(EngineConfig.create(device=device, **kw), registry, choose_platform(registry, device), TINY)
+    return resolve_plan(EngineConfig.create(device=device, **kw), registry, choose_platform(registry, device), hf_config)
 
 
 @pytest.mark.parametrize("asked,want", [("auto", 96), (None, None), (0, None), (7, 7)])
-def test_cpu_plan_prefill_cap(plugin_env, asked, want):
-    plan = plan_for(max_prefill_tokens_with_decodes=asked)
+def test_cpu_plan_prefill_cap(plugin_env, engine_tiny_config, asked, want):
+    plan = plan_for(engine_tiny_config, max_prefill_tokens_with_decodes=asked)
     assert plan.prefill_cap_with_decodes == want
     row = dict(plan.choices())["prefill_cap"]
     assert row.name == (f"{want} prompt tokens" if want else "none")
@@ -36,15 +31,15 @@ def test_cpu_plan_prefill_cap(plugin_env, asked, want):
     assert "prefill_cap" in str(plan)
 
 
-def test_no_cap_without_chunked_prefill(plugin_env):
-    plan = plan_for(max_prefill_tokens_with_decodes="auto", enable_chunked_prefill=False)
+def test_no_cap_without_chunked_prefill(plugin_env, engine_tiny_config):
+    plan = plan_for(engine_tiny_config, max_prefill_tokens_with_decodes="auto", enable_chunked_prefill=False)
     assert plan.prefill_cap_with_decodes is None
     assert "chunked prefill is off" in plan.prefill_cap.reason
 
 
-def test_gpu_platform_default_is_no_cap(fake_devices, plugin_env):
+def test_gpu_platform_default_is_no_cap(fake_devices, plugin_env, engine_tiny_config):
     fake_devices.cuda()
-    plan = plan_for(device="auto", max_prefill_tokens_with_decodes="auto")
+    plan = plan_for(engine_tiny_config, device="auto", max_prefill_tokens_with_decodes="auto")
     assert plan.platform.name == "cuda" and plan.prefill_cap_with_decodes is None
 
 
@@ -74,3 +69,10 @@ def test_serve_flag_rejects_words_other_than_auto(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--max-prefill-tokens-with-decodes" in err and "'auto'" in err and "'many'" in err
+
+
+def test_no_cap_for_an_encoder(plugin_env, engine_tiny_config):
+    bert = {**engine_tiny_config, "architectures": ["BertModel"], "type_vocab_size": 2, "torch_dtype": "float32"}
+    plan = plan_for(bert, max_prefill_tokens_with_decodes="auto")
+    assert plan.prefill_cap_with_decodes is None
+    assert "never split" in plan.prefill_cap.reason
