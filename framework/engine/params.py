@@ -128,10 +128,14 @@ class SamplingParams:
         for param, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if value is not None and value > max_logprobs:
                 raise invalid(param, f"must be <= {max_logprobs} (the server's max_logprobs), got {value}")
-        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys()) + list(self.allowed_token_ids or [])
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise invalid("token ids", f"{bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        for param, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", (self.logit_bias or {}).keys()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise invalid(param, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
     def clone(self) -> "SamplingParams":
         # logits processors may hold state the caller wants shared; copy the rest

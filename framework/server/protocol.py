@@ -170,7 +170,7 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(min_length=1)  # OpenAI rejects an empty conversation
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

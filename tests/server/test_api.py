@@ -300,6 +300,9 @@ def test_400_pydantic_remapped(http):
     ({"logprobs": True, "top_logprobs": 50}, "logprobs", ["20"]),
     ({"priority": 3}, "priority", ["--scheduling-policy priority"]),
     ({"use_beam_search": True}, "use_beam_search", ["beam search"]),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias", ["99999999", "vocabulary"]),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", [">= 0"]),
+    ({"messages": []}, "messages", ["at least 1"]),
 ])
 def test_400_invalid_parameters(http, body, param, words):
     err = error_of(http.post("/v1/chat/completions", json={"messages": MESSAGES, **body}), 400)
