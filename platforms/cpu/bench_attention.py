@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from portaserve.framework.interfaces import AttentionBatch, AttentionSpec
 from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
+from portaserve.platforms.cpu import native as native_kernels
 
 
 USE_MEDIAN = False
@@ -53,8 +54,16 @@ def _print(results: dict[str, float]) -> None:
         print(f"  {name:58s} {ms:8.3f} ms")
 
 
+class TorchDecodes(CpuPagedAttentionBackend):
+    """The backend with its C decode kernel off (the SDPA decode path)."""
+
+    def __init__(self, spec, block_size, device):
+        super().__init__(spec, block_size, device)
+        self._native = None
+
+
 def _with_groups(tokens: int) -> type[CpuPagedAttentionBackend]:
-    return type(f"Groups{tokens}", (CpuPagedAttentionBackend,), {"decode_group_tokens": tokens})
+    return type(f"Groups{tokens}", (TorchDecodes,), {"decode_group_tokens": tokens})
 
 
 def make_batch(backend, query_lens, seq_lens, seed=0):
@@ -167,13 +176,25 @@ def bench_decode(dtype) -> None:
     kv_bytes = sum(lens) * 2 * 2 * 64 * cache.element_size()
     print(f"\n== decode: 64 seqs, ctx 100-300 (sum {sum(lens)}), 14/2 heads, d64, bs16, {dtype}; KV {kv_bytes / 1e6:.1f} MB")
 
+    fns: dict[str, Callable] = {}
+    if backend._native is not None:
+        native_md = backend.build_metadata(batch)
+        fns["build_metadata, C kernel"] = lambda b=backend: b.build_metadata(batch)
+        fns["forward, C kernel (default)"] = lambda b=backend: b.forward(q, k, v, cache, native_md)
+        for part_len in (128, 256, 1024):
+            b = type(f"Parts{part_len}", (CpuPagedAttentionBackend,), {"native_part_len": part_len})(spec, 16, backend.device)
+            m = b.build_metadata(batch)
+            fns[f"forward, C kernel, parts of {part_len} keys"] = lambda b=b, m=m: b.forward(q, k, v, cache, m)
+    else:
+        print(f"  (no C kernel: {native_kernels.unavailable_reason()})")
+    backend = TorchDecodes(spec, 16, backend.device)
     md = backend.build_metadata(batch)
-    fns: dict[str, Callable] = {"build_metadata (once per step)": lambda: backend.build_metadata(batch)}
+    fns["build_metadata, torch path"] = lambda b=backend: b.build_metadata(batch)
     for tokens in (1 << 30, 8192, 4096, 3072, 2048, 1024):
         b = _with_groups(tokens)(spec, 16, backend.device)
         m = b.build_metadata(batch)
         label = "one group" if tokens == 1 << 30 else f"groups of <= {tokens} keys"
-        default = " (default)" if tokens == backend.decode_group_tokens else ""
+        default = " (torch path)" if tokens == backend.decode_group_tokens else ""
         fns[f"forward, {label} ({len(m.decode_groups)}){default}"] = lambda b=b, m=m: b.forward(q, k, v, cache, m)
     fns["  of which: write (2 x index_copy_)"] = lambda: (
         table.index_copy_(0, md.write_rows[0], k.reshape(-1, 64)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ import torch
 from portaserve.framework.interfaces import AttentionBatch, AttentionSpec
 from portaserve.framework.plugins import get_registry
 from portaserve.framework.testing.attention_checks import default_cases, reference_attention, relative_error, run_case
+from portaserve.framework.testing.attention_checks import AttentionCase
+from portaserve.platforms.cpu import native
 from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -164,3 +168,89 @@ def test_large_decode_batch_bf16():
     out = backend.forward(q, k, v, cache, backend.build_metadata(batch))
     ref = reference_attention(q, keys, values, [1] * 64, spec)
     assert relative_error(out, ref) < 1e-2
+
+
+# ----- the C decode kernel (platforms/cpu/paged_decode.c) and the torch path it replaces -----
+
+
+class _TorchDecodes(CpuPagedAttentionBackend):
+    """The backend with its C decode kernel switched off: decodes through SDPA."""
+
+    def __init__(self, spec, block_size, device):
+        super().__init__(spec, block_size, device)
+        self._native = None
+
+
+class _SplitContexts(CpuPagedAttentionBackend):
+    """The C kernel with 24-key context parts: most decodes span several parts, merged
+    with flash-decoding's rescale, and parts start in the middle of blocks."""
+
+    native_part_len = 24
+
+
+def _native_required() -> bool:
+    return any(shutil.which(c) for c in ("cc", "gcc", "clang")) and os.environ.get("PORTASERVE_CPU_NATIVE") != "0"
+
+
+def test_native_kernel_builds_where_there_is_a_compiler():
+    kernels = native.load()
+    if _native_required():
+        assert kernels is not None, native.unavailable_reason()
+        backend = CpuPagedAttentionBackend(_spec(dtype=torch.bfloat16), 16, torch.device("cpu"))
+        assert backend._native is kernels
+    else:
+        assert kernels is None and native.unavailable_reason()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_torch_decode_path_against_reference(case):
+    result = run_case(_TorchDecodes, case, "cpu")
+    assert result.skipped is None, result.skipped
+
+
+def _decode_heavy_cases():
+    """Long contexts (several parts of 24 keys), then decodes; the head sizes of both the
+    kernel's bf16 fast path (64, 128, 256) and its generic path (80, 72), GQA ratios 1, 7, 8
+    and 32 (MQA), block sizes from 8 to 128, windows and a soft cap."""
+    steps = ((70, 45, 1, 130), (1, 1, 1, 1), (1, 1, 1, 1))
+    for dtype in DTYPES:
+        d = str(dtype).removeprefix("torch.")
+        for hs in (64, 80, 128, 256, 72):
+            for h, hkv in ((4, 4), (14, 2), (16, 2), (32, 1)):
+                yield AttentionCase(f"native-{d}-d{hs}-h{h}kv{hkv}", h, hkv, hs, 16, dtype, steps, seed=hs + h)
+        for bs in (8, 32, 128):
+            yield AttentionCase(f"native-{d}-bs{bs}", 8, 2, 64, bs, dtype, steps, seed=bs)
+        yield AttentionCase(f"native-{d}-window", 8, 2, 64, 16, dtype, steps, sliding_window=50, seed=21)
+        yield AttentionCase(f"native-{d}-softcap", 8, 2, 128, 16, dtype, steps, logits_soft_cap=3.0, seed=22)
+
+
+NATIVE_CASES = list(_decode_heavy_cases())
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=[c.name for c in NATIVE_CASES])
+def test_native_split_contexts_against_reference(case):
+    result = run_case(_SplitContexts, case, "cpu")
+    assert result.skipped is None, result.skipped
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 4e-3), (torch.float32, 2e-6)])
+def test_native_decode_error_is_rounding_only(dtype, tol):
+    """Tighter than the kit's tolerance: the kernel's only error is the cache dtype's
+    rounding (of the output, and of p for bf16's p.v), on the benchmark's shape."""
+    if native.load() is None:
+        pytest.skip(f"no C kernel: {native.unavailable_reason()}")
+    from portaserve.platforms.cpu.bench_attention import make_batch
+
+    spec = AttentionSpec(14, 2, 64, 0.125, dtype)
+    backend = _SplitContexts(spec, 16, torch.device("cpu"))
+    lens = torch.randint(20, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    batch, cache, q, k, v = make_batch(backend, [1] * len(lens), lens)
+    out = backend.forward(q, k, v, cache, backend.build_metadata(batch))
+    keys, values = [], []  # every context position is in the cache now (the new token's too)
+    for i, n in enumerate(lens):
+        blocks = batch.block_table[i, : -(-n // 16)].tolist()
+        kv = cache[blocks]  # [blocks, 2, hkv, bs, d]
+        keys.append(kv[:, 0].transpose(1, 2).reshape(-1, 2, 64)[:n])
+        values.append(kv[:, 1].transpose(1, 2).reshape(-1, 2, 64)[:n])
+    ref = reference_attention(q, keys, values, [1] * len(lens), spec)
+    assert relative_error(out, ref) < tol
