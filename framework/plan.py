@@ -161,7 +161,7 @@ def resolve_plan(
         quantization=quant_choice,
         compilation=compilation,
         compile_backend=compile_backend,
-        custom_ops=_choose_ops(registry, platform),
+        custom_ops=_choose_ops(registry, platform, compiled=compilation.name != "none"),
         tensor_parallel_size=config.tensor_parallel_size,
         quantization_config=quant_config,
         platform_features=tuple(sorted(caps.features)),
@@ -430,11 +430,13 @@ def _choose_compilation(config: EngineConfig, platform: Platform) -> tuple[Choic
     return Choice(mode, f"{reason}; compile backend {backend}"), backend
 
 
-def _choose_ops(registry: PluginRegistry, platform: Platform) -> tuple[tuple[str, str], ...]:
+def _choose_ops(registry: PluginRegistry, platform: Platform, compiled: bool = False) -> tuple[tuple[str, str], ...]:
     features = platform.capabilities().features
     best: dict[str, tuple[int, str]] = {}
     for _plugin, impl in registry.custom_ops:
         if platform.name not in impl.platforms or impl.required_features - features:
+            continue
+        if compiled and not impl.traceable:
             continue
         if impl.op not in best or impl.priority > best[impl.op][0]:
             best[impl.op] = (impl.priority, impl.name)

@@ -28,6 +28,9 @@ class OpImpl:
     fn: Callable | str  # the function, or "module:function" imported when first bound
     required_features: frozenset[str] = frozenset()
     priority: int = 0  # higher wins among those that qualify
+    #: False for an op torch.compile cannot trace (a ctypes call, say): the plan leaves it
+    #: unbound when compiling, and the compiled graph fuses the layer's torch code instead.
+    traceable: bool = True
 
     def __post_init__(self) -> None:
         if self.op not in OP_NAMES:

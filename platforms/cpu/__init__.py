@@ -36,3 +36,17 @@ def portaserve_kv_cache_allocators():
 def portaserve_quant_methods():
     # the plan picks it in place of "none" (see QuantMethod.variant_of)
     return {"onednn": "portaserve.platforms.cpu.onednn_linear:OneDnnLinearMethod"}
+
+
+@hookimpl
+def portaserve_custom_ops():
+    # Fused RMSNorm / SiLU-and-mul / rotary in C (fused_ops.c); the platform declares
+    # "c_kernels" when a C compiler is there to build them (native.py).
+    from portaserve.framework.interfaces.ops import OpImpl
+
+    ops = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+    return [
+        OpImpl(op=op, name="cpu_c", platforms=frozenset({"cpu"}), fn=f"portaserve.platforms.cpu.fused_ops:{op}",
+               required_features=frozenset({"c_kernels"}), traceable=False)
+        for op in ops
+    ]

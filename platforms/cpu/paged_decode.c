@@ -17,20 +17,7 @@
  * fp16 exactly), output rounded to the cache dtype (round to nearest even).
  */
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define PS_AVX512 1
-#else
-#define PS_AVX512 0
-#endif
-
-enum { PS_F32 = 0, PS_BF16 = 1, PS_F16 = 2 };
+#include "cpu_simd.h"
 
 typedef struct {
     const void *q;
@@ -49,109 +36,6 @@ typedef struct {
     float *scratch;   /* per (part, kv head): ratio * (head_size + 2) floats */
     float *workspace; /* per thread: ps_workspace_floats() floats */
 } Args;
-
-/* ----- scalar conversions -------------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400u));
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t sign = (u >> 16) & 0x8000u;
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);      /* NaN */
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);     /* overflow -> inf */
-    if (a < 0x38800000u) {                                      /* subnormal or zero */
-        float v;
-        memcpy(&v, &a, 4);
-        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f)); /* v / 2^-24, nearest even */
-    }
-    uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - ((uint32_t)(127 - 15) << 23);
-    return (uint16_t)(sign | (r >> 13));
-}
-
-/* One row of `n` elements of `dtype` at `src` -> float32 `dst`. */
-static inline void row_to_f32(float *dst, const void *src, int n, int dtype) {
-    int i = 0;
-    if (dtype == PS_F32) {
-        memcpy(dst, src, (size_t)n * 4);
-        return;
-    }
-    const uint16_t *s = (const uint16_t *)src;
-#if PS_AVX512
-    for (; i + 16 <= n; i += 16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m512 v = dtype == PS_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                    : _mm512_cvtph_ps(h);
-        _mm512_storeu_ps(dst + i, v);
-    }
-#endif
-    for (; i < n; i++) dst[i] = dtype == PS_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
-}
-
-static inline void store_row(void *dst, const float *src, float mul, int n, int dtype) {
-    if (dtype == PS_F32) {
-        float *d = (float *)dst;
-        for (int i = 0; i < n; i++) d[i] = src[i] * mul;
-        return;
-    }
-    uint16_t *d = (uint16_t *)dst;
-    for (int i = 0; i < n; i++) d[i] = dtype == PS_BF16 ? f32_to_bf16(src[i] * mul) : f32_to_f16(src[i] * mul);
-}
-
-/* ----- vector helpers ------------------------------------------------------------------ */
-
-#if PS_AVX512
-/* e^x for x <= 0 (scores minus their maximum): 2^n * p(r), |rel err| < 2e-7. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 static inline float dot_f32(const float *a, const float *b, int n) {
     int i = 0;
@@ -253,7 +137,7 @@ static void attend_part(const Args *A, int i, int h, int t0, int t1, float *res,
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if PS_AVX512 && defined(__AVX512BF16__)
 #define PS_BF16_FAST 1
 /* out[c] = the sum of v[c]'s 16 lanes, for 16 vectors: a shuffle-and-add tree (about 3
  * instructions per sum instead of ~10 for a reduce_add each). */

@@ -9,6 +9,7 @@ import torch
 
 from portaserve.framework.interfaces import SCORE_CPU, DeviceInfo, Platform, PlatformCapabilities
 from portaserve.platforms.cpu.host_allocator import keep_freed_memory
+from portaserve.platforms.cpu import native
 
 # vLLM's CPU backend defaults to 4 GiB of KV cache; we also stay under a quarter of free RAM.
 DEFAULT_KV_CACHE_GIB = 4.0
@@ -82,7 +83,12 @@ class CpuPlatform(Platform):
         return PlatformCapabilities(
             dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
             kv_cache_dtypes=frozenset({"auto"}),
-            features=frozenset({"int8_matmul"} | ({"triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())),
+            features=frozenset(
+                {"int8_matmul"}
+                | ({"triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())
+                # the C kernels (decode attention, fused ops) build here: native.py
+                | ({"c_kernels"} if native.enabled() else set())
+            ),
             compile_backends={"default": "inductor", "max": "inductor"},
             default_compilation_mode="none",
             # A prompt token costs ~2-3 ms of matmul here (a Qwen2-0.5B-shaped model on 2

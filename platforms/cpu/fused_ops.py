@@ -1,0 +1,147 @@
+"""The CPU platform's fused layer ops (`fused_ops.c`), with the signatures of
+`framework.interfaces.ops`; the plan binds them when a C compiler is present.
+
+Each computes what the layer's own torch code computes, rounding where it rounds (see
+fused_ops.c), and replaces its 3-10 torch ops (RMSNorm: a float32 copy, pow,
+mean, add, rsqrt, two muls and two casts) by one pass over the data and one call, which
+matters most at decode sizes, where the model's step is a long string of small ops.
+If the library could not be built after all (the plan only saw that a compiler exists),
+each op runs the same math in torch, so a bound op never fails for that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from portaserve.platforms.cpu import native
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_workspace = torch.empty(0, dtype=torch.float32)
+
+
+def _kernels(*tensors: torch.Tensor) -> native.NativeKernels | None:
+    kernels = native.load()
+    if kernels is None or any(t.dtype != tensors[0].dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    return kernels if tensors[0].dtype in _DTYPES else None
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    """A float32 workspace of at least `floats` elements (kept between calls: one step at a time)."""
+    global _workspace
+    if _workspace.numel() < floats:
+        _workspace = torch.empty(floats, dtype=torch.float32)
+    return _workspace
+
+
+def fused_workspace_floats(h: int) -> int:
+    """fused_ops.c's ps_fused_workspace_floats(h), without a ctypes call per op (tested equal)."""
+    return 2 * h + 32
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last] with unit stride along the last dim (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, kernels):
+    h = x.shape[-1]
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = None
+    res_ptr = res_out_ptr = None
+    if residual is not None:
+        residual = residual.reshape(rows, h).contiguous()
+        res_out = torch.empty(x.shape, dtype=x.dtype)
+        res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
+    threads = torch.get_num_threads()
+    ws = _scratch(threads * fused_workspace_floats(h))
+    rc = kernels.rms_norm(x2.data_ptr(), x2.stride(0), res_ptr, res_out_ptr, out.data_ptr(), weight.contiguous().data_ptr(),
+                          rows, h, eps, _DTYPES[x.dtype], ws.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"rms_norm: the C kernel rejected its arguments (code {rc})")
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: normalise in float32, round, scale by the weight (transformers' order)."""
+    kernels = _kernels(x, weight)
+    if kernels is None or x.numel() == 0:
+        return _torch_rms_norm(x, weight, eps)
+    return _rms(x, None, weight, eps, kernels)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the inputs are not modified."""
+    kernels = _kernels(x, residual, weight)
+    if kernels is None or x.numel() == 0:
+        new_residual = x + residual
+        return _torch_rms_norm(new_residual, weight, eps), new_residual
+    return _rms(x, residual, weight, eps, kernels)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:], rounding after the silu and after the product (as torch)."""
+    d = x.shape[-1] // 2
+    kernels = _kernels(x)
+    if kernels is None or x.numel() == 0:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    x2 = _rows(x)
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    rc = kernels.silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], d, _DTYPES[x.dtype],
+                              torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"silu_and_mul: the C kernel rejected its arguments (code {rc})")
+    return out
+
+
+def _torch_rotate(x: torch.Tensor, rows: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """The rotary layer's torch code: cos/sin in x's dtype, every op rounding in it."""
+    rot_dim = rows.shape[-1]
+    cos, sin = rows.to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = rot.chunk(2, dim=-1) if is_neox else (rot[..., 0::2], rot[..., 1::2])
+    out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rotated = torch.cat((out1, out2), dim=-1) if is_neox else torch.stack((out1, out2), dim=-1).flatten(-2)
+    return torch.cat((rotated, rest), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads, head_size] and k [tokens, kv_heads, head_size] by the
+    `cos_sin_cache` rows at `positions`, rounding as the layer's torch code does; new outputs."""
+    kernels = _kernels(q, k)
+    if kernels is None or q.numel() == 0 or cos_sin_cache.dtype != torch.float32:
+        rows = cos_sin_cache.index_select(0, positions)
+        return _torch_rotate(q, rows, is_neox), _torch_rotate(k, rows, is_neox)
+    tokens, num_q_heads, head_size = q.shape
+    num_k_heads = k.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    index = positions.to(torch.int64).contiguous()
+    table = cos_sin_cache.contiguous()
+    q_out = torch.empty((tokens, num_q_heads, head_size), dtype=q.dtype)
+    k_out = torch.empty((tokens, num_k_heads, head_size), dtype=k.dtype)
+    threads = torch.get_num_threads()
+    ws = _scratch(threads * (3 * head_size + 16))
+    rc = kernels.rotary(index.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                        q_out.data_ptr(), k_out.data_ptr(), table.data_ptr(), tokens, num_q_heads, num_k_heads, head_size,
+                        table.shape[-1], int(is_neox), _DTYPES[q.dtype], ws.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"rotary_embedding: the C kernel rejected its arguments (code {rc})")
+    return q_out, k_out
