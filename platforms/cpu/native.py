@@ -152,7 +152,12 @@ def build(march: str = "native") -> NativeKernels:
     path = library_path(cc, march)
     if not path.exists():
         start = time.perf_counter()
-        _build(cc, march, path)
+        try:
+            _build(cc, march, path)
+        except PermissionError:  # a read-only cache folder: build in the temporary folder
+            path = Path(tempfile.gettempdir()) / f"portaserve-native-{os.getuid()}" / path.name
+            if not path.exists():
+                _build(cc, march, path)
         logger.info("portaserve: built the CPU kernels with %s in %.1f s: %s", cc, time.perf_counter() - start, path)
     return NativeKernels(path, march, ctypes.CDLL(str(path)))
 

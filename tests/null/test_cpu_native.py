@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from portaserve.framework.interfaces import AttentionSpec
 from portaserve.framework.testing.attention_checks import AttentionCase, default_cases, run_case
 from portaserve.platforms.cpu import fused_ops, native
 from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
@@ -165,6 +166,10 @@ def test_ops_fall_back_to_torch_without_the_library(monkeypatch):
 # ----- decode attention through each variant ---------------------------------------------------------
 
 
+def AttentionSpecFor(dtype):  # noqa: N802 - reads like the class it builds
+    return AttentionSpec(14, 2, 64, 0.125, dtype)
+
+
 def _backend_on(kernels):
     class Backend(CpuPagedAttentionBackend):
         native_part_len = 24  # long contexts span several parts
@@ -269,3 +274,55 @@ def test_plan_leaves_the_c_ops_out_when_compiling_or_disabled(plugin_env, engine
     plugin_env.setenv("PORTASERVE_CPU_NATIVE", "0")
     plan = _plan(engine_tiny_config)
     assert plan.custom_ops == () and "c_kernels" not in plan.platform_features
+
+
+# ----- building and loading ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """native.load() as in a new process (restored afterwards)."""
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_reason", None)
+    return monkeypatch
+
+
+def test_no_compiler_means_torch_code_with_a_reason(fresh_loader, engine_tiny_config, plugin_env):
+    fresh_loader.setenv("CC", "/nonexistent/cc")
+    assert native.compiler() is None and not native.enabled()
+    assert native.load() is None
+    assert "no C compiler" in native.unavailable_reason()
+    backend = CpuPagedAttentionBackend(AttentionSpecFor(torch.bfloat16), 16, torch.device("cpu"))
+    assert backend._native is None  # decodes through SDPA
+    assert _plan(engine_tiny_config).custom_ops == ()
+
+
+def test_disabled_by_the_environment(fresh_loader):
+    fresh_loader.setenv("PORTASERVE_CPU_NATIVE", "0")
+    assert native.load() is None and native.unavailable_reason() == "PORTASERVE_CPU_NATIVE=0"
+
+
+def test_a_failed_build_is_reported_not_raised(fresh_loader, tmp_path):
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    fresh_loader.setenv("PORTASERVE_CACHE_DIR", str(tmp_path))
+    fresh_loader.setattr(native, "FLAGS", native.FLAGS + ("-include", "/nonexistent/header.h"))
+    assert native.load() is None
+    assert "building the CPU kernels failed" in native.unavailable_reason()
+
+
+def test_a_read_only_cache_folder_builds_in_the_temporary_folder(fresh_loader, tmp_path):
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    fresh_loader.setenv("PORTASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    real_build = native._build
+
+    def build(cc, march, target):
+        if str(target).startswith(str(tmp_path)):
+            raise PermissionError(13, "read-only", str(target))
+        real_build(cc, march, target)
+
+    fresh_loader.setattr(native, "_build", build)
+    kernels = native.load()
+    assert kernels is not None and not str(kernels.path).startswith(str(tmp_path))
