@@ -1,4 +1,11 @@
-"""Shared fixtures.
+"""Shared fixtures, and the test tiers.
+
+Tiers: `python -m pytest tests` runs everything (CI); `python -m pytest -m "not slow" tests`
+is the fast tier for the inner loop (about a minute on 2 cores). A test joins the slow
+tier with `@pytest.mark.slow` (engines in subprocesses, servers, compilation, multi-rank
+runs). A large parametrized grid is marked `@pytest.mark.grid(keep=N)`: the full suite
+runs every case, the fast tier N cases spread evenly over it (the first and the last
+included), so every kernel and dtype path keeps a case in the loop.
 
 - `plugin_env`: a clean plugin environment (no PORTASERVE_* selection variables, a fresh
   process-wide registry before and after the test).
@@ -27,6 +34,27 @@ import torch
 # ours. The tests import the installed portaserve only, so the root comes off sys.path.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the cases a `grid(keep=N)` test leaves out of the fast tier as slow.
+
+    Runs before pytest's own `-m` selection, so `-m "not slow"` sees the marks.
+    """
+    groups: dict[tuple[str, str], list] = {}
+    for item in items:
+        marker = item.get_closest_marker("grid")
+        if marker is not None:
+            groups.setdefault((item.module.__name__, item.originalname), []).append((item, marker))
+    for cases in groups.values():
+        keep = int(cases[0][1].kwargs.get("keep", 2))
+        n = len(cases)
+        kept = {0} if keep <= 1 else {round(i * (n - 1) / (keep - 1)) for i in range(min(keep, n))}
+        for index, (item, _) in enumerate(cases):
+            if index not in kept:
+                item.add_marker(pytest.mark.slow)
+
 
 PLUGIN_ENV_VARS = (
     "PORTASERVE_DEVICE",

@@ -51,6 +51,8 @@ def assert_all_blocks_free(llm):
     assert stats.kv_cache_usage == 0.0, stats
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_mixed_batch_matches_single_runs_and_transformers(llm, folder, hf_model):
     prompts = prompts_of([5, 17, 33, 70, 9, 48, 2, 120], seed=1)
     batch = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24), use_tqdm=False))
@@ -63,6 +65,7 @@ def test_mixed_batch_matches_single_runs_and_transformers(llm, folder, hf_model)
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_preemption_gives_identical_outputs(folder):
     prompts = prompts_of([40, 33, 25, 50, 12, 31], seed=2)
     params = greedy(40)
@@ -103,6 +106,7 @@ def test_chunked_prefill_of_a_long_prompt_matches(folder, llm, hf_model):
     assert outs[0] == hf_greedy(hf_model(folder), long, 10)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_independent_of_batch(llm):
     prompt = {"prompt_token_ids": prompts_of([21], seed=7)[0]}
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
@@ -193,6 +197,7 @@ def test_validation_errors_name_the_parameter(llm):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_prefill_cap_reaches_the_scheduler_and_keeps_outputs(folder):
     """max_prefill_tokens_with_decodes flows config -> ExecutionPlan -> scheduler: with a
     cap of 8, prompts admitted while others decode take more, smaller steps, and greedy

@@ -218,6 +218,7 @@ def test_demo_checkpoint_made_once_through_the_registry(monkeypatch, tmp_path):
     assert [p.name for p in (tmp_path / "demo").iterdir()] == [path.name]  # no temporary folder left
 
 
+@pytest.mark.slow
 def test_real_demo_checkpoint_is_small_and_marked(monkeypatch, tmp_path):
     from safetensors import safe_open
 

@@ -47,22 +47,28 @@ def _assert_passed(proc, platform: str) -> None:
     assert not [s for s in skips if any(c in s for c in device_checks)], out[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_cpu_passes_the_kit_which_defaults_to_the_auto_platform(tmp_path):
     # No --platform: the kit tests what --device auto selects, the CPU on this machine.
     _assert_passed(run_kit(tmp_path), "cpu")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not _example_installed(), reason="pip install ./examples/portaserve-example-platform first")
 def test_example_plugin_passes_the_kit(tmp_path):
     _assert_passed(run_kit(tmp_path, "--platform", "example"), "example")
 
 
+@pytest.mark.slow
 def test_kit_on_an_unavailable_platform_skips_with_the_reason(tmp_path):
     proc = run_kit(tmp_path, "--platform", "tpu", "-k", "kv_cache or communicator")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "device 'tpu' is not available: torch_xla is not installed" in proc.stdout
 
 
+@pytest.mark.slow
 def test_kit_rejects_an_unknown_platform(tmp_path):
     proc = run_kit(tmp_path, "--platform", "no_such_platform", "-k", "probe")
     assert proc.returncode != 0

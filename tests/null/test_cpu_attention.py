@@ -22,6 +22,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CASES = [case for dtype in DTYPES for case in default_cases(CpuPagedAttentionBackend, dtype)]
 
 
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_against_reference(case):
     result = run_case(CpuPagedAttentionBackend, case, "cpu")
@@ -38,6 +39,7 @@ class _SmallDecodeGroups(CpuPagedAttentionBackend):
 SMALL_GROUP_CASES = [c for c in default_cases(CpuPagedAttentionBackend, torch.float32) if "d128" not in c.name]
 
 
+@pytest.mark.grid(keep=2)
 @pytest.mark.parametrize("case", SMALL_GROUP_CASES, ids=[c.name for c in SMALL_GROUP_CASES])
 def test_many_decode_groups(case):
     result = run_case(_SmallDecodeGroups, case, "cpu")
@@ -59,6 +61,7 @@ class _StridedInputs(CpuPagedAttentionBackend):
 STRIDED_CASES = [c for c in default_cases(CpuPagedAttentionBackend, torch.bfloat16) if "d128" not in c.name and "h4kv1" not in c.name]
 
 
+@pytest.mark.grid(keep=2)
 @pytest.mark.parametrize("case", STRIDED_CASES, ids=[c.name for c in STRIDED_CASES])
 def test_strided_inputs(case):
     assert run_case(_StridedInputs, case, "cpu").skipped is None
@@ -202,6 +205,7 @@ def test_native_kernel_builds_where_there_is_a_compiler():
         assert kernels is None and native.unavailable_reason()
 
 
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_torch_decode_path_against_reference(case):
     result = run_case(_TorchDecodes, case, "cpu")
@@ -227,6 +231,7 @@ def _decode_heavy_cases():
 NATIVE_CASES = list(_decode_heavy_cases())
 
 
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("case", NATIVE_CASES, ids=[c.name for c in NATIVE_CASES])
 def test_native_split_contexts_against_reference(case):
     result = run_case(_SplitContexts, case, "cpu")

@@ -45,6 +45,7 @@ def _run(env_value: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_init_worker_keeps_freed_buffers_for_reuse():
     tuned = _run(None)

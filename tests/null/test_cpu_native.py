@@ -55,6 +55,7 @@ def rms_ref(x, w, eps):
 SHAPES = [(1, 896), (7, 64), (300, 896), (5, 100), (3, 2, 40)]
 
 
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_rms_norm(use, dtype, shape):
@@ -192,12 +193,14 @@ def _decode_cases():
         yield AttentionCase(f"{d}-window-softcap", 8, 2, 64, 8, dtype, steps, sliding_window=33, logits_soft_cap=4.0)
 
 
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("case", list(_decode_cases()), ids=lambda c: c.name)
 def test_decode_attention(kernels, case):
     result = run_case(_backend_on(kernels), case, "cpu")
     assert result.skipped is None, result.skipped
 
 
+@pytest.mark.slow
 def test_conformance_grid_on_the_portable_build(kernels):
     backend = _backend_on(kernels)
     for case in default_cases(CpuPagedAttentionBackend, torch.bfloat16):
@@ -312,6 +315,7 @@ def test_a_failed_build_is_reported_not_raised(fresh_loader, tmp_path):
     assert "building the CPU kernels failed" in native.unavailable_reason()
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_folder_builds_in_the_temporary_folder(fresh_loader, tmp_path):
     if native.compiler() is None:
         pytest.skip("no C compiler")

@@ -65,6 +65,7 @@ def platforms_json():
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_listed_by_portaserve_platforms(platforms_json):
     plugins = _by_name(platforms_json["plugins"])
     example = plugins["example"]
@@ -107,6 +108,7 @@ def test_broken_plugin_reported_and_skipped_in_the_listing(platforms_json):
     assert broken["available"] is False and broken["error"] == probe["error"]
 
 
+@pytest.mark.slow
 def test_selectable_with_device_example_on_the_command_line():
     proc = portaserve("platforms", "--json", "--device", "example")
     assert proc.returncode == 0, proc.stderr
@@ -122,6 +124,7 @@ def test_selectable_with_device_example_on_the_command_line():
     assert "communicator        example_gloo  (platform example's default)" in text
 
 
+@pytest.mark.slow
 def test_portaserve_device_variable_selects_it():
     proc = portaserve("platforms", "--json", env={"PORTASERVE_DEVICE": "example"})
     assert json.loads(proc.stdout)["selection"]["selected"] == "example"
@@ -174,6 +177,7 @@ def test_allow_list_leaves_the_broken_plugin_out(monkeypatch):
     assert "broken" not in registry.platforms
 
 
+@pytest.mark.slow
 def test_strict_mode_makes_the_broken_plugin_fatal(monkeypatch):
     with pytest.raises(PluginError) as err:
         load_plugins(strict=True)

@@ -69,6 +69,7 @@ def _kit_cases():
 KIT_CASES = _kit_cases()
 
 
+@pytest.mark.grid(keep=2)
 @pytest.mark.parametrize("case", KIT_CASES, ids=[c.name for c in KIT_CASES])
 def test_conformance_kit(case):
     result = run_case(TritonAttentionBackend, case, "cpu")
@@ -98,6 +99,7 @@ SPLIT_CASES = [
 ]
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.name for c in SPLIT_CASES])
 def test_conformance_kit_split_k(case):
     result = run_case(_AlwaysSplit, case, "cpu")
@@ -152,6 +154,7 @@ def test_layout_metadata_and_work_split():
         backend.forward(torch.zeros(1, 8, 64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), None, meta)
 
 
+@pytest.mark.slow
 def test_import_needs_no_triton():
     # The plan imports every backend class to read its capabilities, also where triton is absent.
     code = (
@@ -208,6 +211,7 @@ def triton_on_cpu(monkeypatch):
     return registry
 
 
+@pytest.mark.slow
 def test_engine_greedy_matches_cpu_backend(triton_on_cpu, tmp_path, monkeypatch):
     """The tiny Qwen2 checkpoint (sliding-window and full layers, head size 16) generates the
     same greedy tokens with the Triton backend and fused ops as with cpu_paged and torch ops."""

@@ -57,6 +57,7 @@ def test_interpreter_smoke_run(tmp_path, capsys):
     assert "not performance" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_refuses_without_gpu_or_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(

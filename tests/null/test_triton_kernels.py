@@ -136,6 +136,7 @@ GRID = list(itertools.product((64, 128), (16, 32), (1, 4, 8), DTYPES))
 @pytest.mark.parametrize(
     ("head_size", "block_size", "gqa", "dtype"), GRID, ids=[f"d{h}-bs{b}-gqa{g}-{dname(t)}" for h, b, g, t in GRID]
 )
+@pytest.mark.grid(keep=2)
 def test_paged_attention_grid(head_size, block_size, gqa, dtype):
     gen = torch.Generator().manual_seed(head_size * 1000 + block_size * 10 + gqa)
     paged = Paged(mixed_seqs(block_size), block_size, 2, gqa, head_size, dtype, gen)
@@ -143,6 +144,7 @@ def test_paged_attention_grid(head_size, block_size, gqa, dtype):
     assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("num_splits", (2, 4, 8))
 def test_paged_attention_split_k(num_splits, dtype):
@@ -154,6 +156,7 @@ def test_paged_attention_split_k(num_splits, dtype):
     assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("window", (1, 7, 40))
 def test_paged_attention_sliding_window(window, dtype):
@@ -163,6 +166,7 @@ def test_paged_attention_sliding_window(window, dtype):
     assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 def test_paged_attention_soft_cap(dtype):
     gen = torch.Generator().manual_seed(5)
@@ -179,6 +183,7 @@ def test_paged_attention_soft_cap(dtype):
     [(80, 16, 2), (96, 64, 1), (256, 32, 2), (32, 16, 16), (16, 16, 2)],
     ids=["d80-padded", "bs64", "d256", "gqa16", "d16"],
 )
+@pytest.mark.grid(keep=1)
 def test_paged_attention_other_shapes(head_size, block_size, gqa):
     gen = torch.Generator().manual_seed(head_size + gqa)
     paged = Paged([(0, 21), (block_size + 3, 1), (5, 9)], block_size, 2, gqa, head_size, torch.float32, gen)
@@ -245,6 +250,7 @@ CACHE_GRID = list(itertools.product((64, 128), (16, 32), (1, 4), DTYPES))
     CACHE_GRID,
     ids=[f"d{h}-bs{b}-kv{k}-{dname(t)}" for h, b, k, t in CACHE_GRID],
 )
+@pytest.mark.grid(keep=2)
 def test_reshape_and_cache(head_size, block_size, num_kv_heads, dtype):
     gen = torch.Generator().manual_seed(head_size + block_size + num_kv_heads)
     num_blocks, num_tokens, num_padding = 5, 2 * block_size + 3, 2
@@ -329,6 +335,7 @@ ROPE_GRID = list(itertools.product((True, False), (64, 128), DTYPES))
 @pytest.mark.parametrize(
     ("is_neox", "head_size", "dtype"), ROPE_GRID, ids=[f"{'neox' if n else 'gptj'}-d{h}-{dname(t)}" for n, h, t in ROPE_GRID]
 )
+@pytest.mark.grid(keep=2)
 def test_rotary_embedding(is_neox, head_size, dtype):
     gen = torch.Generator().manual_seed(head_size + is_neox)
     num_tokens, num_heads, num_kv_heads = 7, 4, 2

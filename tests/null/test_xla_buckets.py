@@ -184,6 +184,7 @@ def test_dense_math_is_plain_tensors():
 KIT_CASES = [c for dtype in (torch.float32, torch.bfloat16) for c in default_cases(XlaPagedAttentionBackend, dtype)]
 
 
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("case", KIT_CASES, ids=[c.name for c in KIT_CASES])
 def test_conformance_kit_on_cpu(case):
     result = run_case(XlaPagedAttentionBackend, case, "cpu")
@@ -193,6 +194,7 @@ def test_conformance_kit_on_cpu(case):
     assert result.skipped is None, result.skipped
 
 
+@pytest.mark.slow
 def test_declared_capabilities_and_no_torch_xla_import():
     cls = XlaPagedAttentionBackend
     assert cls.name == "xla_paged" and cls.platforms == {"tpu"} and cls.required_features == {"xla"}

@@ -19,6 +19,9 @@ from portaserve.framework.errors import EngineDeadError
 
 from .util import ENGINE_KW, free_port_pair, generate_ids, greedy, prompts_of
 
+# Multi-process runs: the full suite only.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
 ARCH = "LlamaForCausalLM"
 PROMPTS = prompts_of([6, 35], seed=17)
 

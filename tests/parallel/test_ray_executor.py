@@ -18,6 +18,9 @@ from portaserve.framework.errors import EngineDeadError  # noqa: E402
 
 from .util import ENGINE_KW, generate_ids, greedy, prompts_of  # noqa: E402
 
+# Multi-process runs: the full suite only.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
 ARCH = "Qwen2ForCausalLM"
 PROMPTS = prompts_of([4, 30, 70], seed=13)
 

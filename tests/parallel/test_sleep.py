@@ -59,6 +59,7 @@ def test_sleep_levels_release_and_restore_memory(checkpoint, reference_ids):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_under_tp2(checkpoint, reference_ids):
     llm = LLM(checkpoint(ARCH), tensor_parallel_size=2, **ENGINE_KW)
     try:

@@ -13,6 +13,9 @@ from portaserve.framework.executor.weight_update import read_checkpoint_specs
 
 from .util import CAUSAL_ARCHS, ENGINE_KW, generate_ids, prompts_of
 
+# Multi-process runs: the full suite only.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
 # Mixed lengths: single-block, multi-block and chunked (> max_num_batched_tokens) prompts.
 PROMPTS = prompts_of([3, 17, 40, 90], seed=7)
 

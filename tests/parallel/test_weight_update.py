@@ -80,6 +80,7 @@ def test_update_from_folder_equals_a_fresh_engine(old_weights, folders, referenc
     assert outs[1].num_cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_update_from_folder_under_tp2(folders, reference_ids):
     new = reference_ids(PROMPTS, 8, ARCH, 1)
     llm = LLM(folders[0], tensor_parallel_size=2, **ENGINE_KW)
@@ -92,6 +93,7 @@ def test_update_from_folder_under_tp2(folders, reference_ids):
         llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_int8_engine_takes_float_updates(tp, folders):
     """An engine that quantized its checkpoint online stages a float update in the
@@ -207,6 +209,7 @@ def _distributed_update(llm, trainer, folder, names, *, shapes=None, dtypes=None
     return result, trainer.result()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_update_from_distributed(tp, folders, reference_ids, tmp_path):
     a, b = folders
@@ -274,6 +277,7 @@ def test_update_from_distributed_needs_a_group(llm, folders):
 # ----- requests in flight ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_running_requests_finish_on_the_old_weights_new_ones_wait(folders, reference_ids):
     """Through the engine-core process (what `serve` runs): a request that is generating
     when the update is called finishes entirely on the old weights; one sent while the

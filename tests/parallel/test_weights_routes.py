@@ -52,6 +52,7 @@ def _version(http) -> int:
     return http.get("/v1/models").json()["data"][0]["weights_version"]
 
 
+@pytest.mark.slow
 def test_routes_need_the_api_key(srv, checkpoint):
     for method, path in [("POST", "/v1/update_weights"), ("POST", "/sleep"), ("GET", "/is_sleeping"),
                          ("POST", "/v1/update_weights_from_distributed")]:
@@ -60,6 +61,7 @@ def test_routes_need_the_api_key(srv, checkpoint):
         assert r.json()["error"]["type"] == "AuthenticationError"
 
 
+@pytest.mark.slow
 def test_update_weights_route(http, checkpoint, reference_ids):
     old = reference_ids([PROMPT], 8, ARCH, 0)[0]
     new = reference_ids([PROMPT], 8, ARCH, 1)[0]
@@ -88,6 +90,7 @@ def test_update_weights_route(http, checkpoint, reference_ids):
     assert http.get("/v1/weights_info").json()["weights_version"] == start + 1
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_up_routes(http, reference_ids):
     before = _generate(http)
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}

@@ -17,6 +17,9 @@ from portaserve.framework.errors import EngineDeadError
 
 from .util import ENGINE_KW, greedy, prompts_of
 
+# Multi-process runs: the full suite only.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
 ARCH = "Qwen2ForCausalLM"
 PROMPT = prompts_of([12], seed=9)
 #: how long the client may wait for the error after the kill

@@ -85,6 +85,7 @@ def test_prompt_logits_match_transformers(arch, chunk, checkpoint):
         assert_logits_close(logits, hf_logits(folder, prompt), f"{arch} prompt of {len(prompt)} tokens")
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("arch", CAUSAL)
 def test_greedy_continuations_match_generate(arch, checkpoint):
     folder = checkpoint(arch)
@@ -97,6 +98,7 @@ def test_greedy_continuations_match_generate(arch, checkpoint):
     assert sum(len(set(t)) for t in ours) / len(ours) >= 4, [len(set(t)) for t in ours]
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("arch", CAUSAL)
 def test_bfloat16_top1_agrees_with_transformers(arch, checkpoint):
     folder = checkpoint(arch)  # float32 on disk: both sides convert to bfloat16 on load
@@ -170,6 +172,7 @@ ROPE_VARIANTS = {
 }
 
 
+@pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
 def test_rope_scaling_matches_transformers(variant, checkpoint):
     # max_position_embeddings 32: the prompts and continuations run past the trained length,

@@ -208,6 +208,7 @@ def triton_on_cpu(monkeypatch):
     return registry
 
 
+@pytest.mark.slow
 def test_decode_graphs_replay_matches_eager(triton_on_cpu, checkpoint):
     from portaserve import LLM
 
@@ -231,6 +232,7 @@ def test_decode_graphs_replay_matches_eager(triton_on_cpu, checkpoint):
     assert all(torch.isfinite(c[pad_block].float()).all() for c in runner.kv_caches)
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_engine(triton_on_cpu, checkpoint):
     """--kv-cache-dtype fp8 end to end where the backend declares it: an fp8 cache of half
     the bytes, and greedy tokens that mostly agree with the bf16-free float32 cache."""
@@ -248,6 +250,8 @@ def test_fp8_kv_cache_engine(triton_on_cpu, checkpoint):
 # ----- torch.compile on the CPU --------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_compiled_greedy_equals_eager(checkpoint, tmp_path, monkeypatch):
     from portaserve import LLM
 

@@ -49,6 +49,7 @@ def rel(a, b) -> float:
     "m,k,n,split_k",
     [(1, 64, 48, None), (3, 200, 70, 2), (20, 96, 40, 1), (70, 64, 130, None), (5, 512, 33, 4), (2, 40, 16, 8)],
 )
+@pytest.mark.grid(keep=3)
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_weight_only_mm(dtype, m, k, n, split_k, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)

@@ -123,11 +123,14 @@ def served():
             proc.wait()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_health_is_503_while_loading_then_200(served):
     _, _, seen, _ = served
     assert seen == [503, 200]
 
 
+@pytest.mark.slow
 def test_readme_curl_example(served):
     port, url, _, _ = served
     curl = [b for b in readme_blocks() if b.lstrip().startswith("curl")][0]
@@ -142,6 +145,7 @@ def test_readme_curl_example(served):
     assert card["id"] == "portaserve-demo" and card["demo"] is True and "RANDOM WEIGHTS" in card["description"]
 
 
+@pytest.mark.slow
 def test_api_client_chat_and_complete(served, capsys, monkeypatch):
     import io
 
@@ -164,6 +168,7 @@ def test_api_client_chat_and_complete(served, capsys, monkeypatch):
     assert "cannot talk to" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_startup_prints_the_plan_and_the_url(served):
     port, _, _, proc = served
     proc.send_signal(signal.SIGINT)
