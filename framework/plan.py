@@ -215,6 +215,11 @@ def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any])
     for arch in archs:
         if arch in known:
             cls = registry.get("model_architectures", arch)
+            gguf = hf_config.get("portaserve_gguf")
+            if gguf:
+                from .gguf.config import describe_gguf
+
+                return Choice(arch, describe_gguf(gguf)), cls
             return Choice(arch, f"config.json architectures lists {arch}"), cls
     raise UnsupportedError(
         f"model: architecture {archs or '(none listed)'} is not supported; supported architectures: "

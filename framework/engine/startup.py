@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from portaserve.framework.checkpoint import ensure_demo_checkpoint, load_hf_config, resolve_model_path
+from portaserve.framework.checkpoint import (
+    DEFAULT_MODEL_INSTALL,
+    DEFAULT_MODEL_NAME,
+    default_model_file,
+    ensure_demo_checkpoint,
+    load_hf_config,
+    resolve_model_path,
+)
 from portaserve.framework.config import EngineConfig
 from portaserve.framework.errors import InvalidParameterError
 from portaserve.framework.plan import ExecutionPlan, resolve_plan
@@ -45,10 +52,7 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
     """Resolve plugins, platform, checkpoint and plan for `config`."""
     registry = registry or get_registry(strict=config.strict_plugins or None)
     choice = choose_platform(registry, config.device, strict=config.strict_plugins or None)  # None: PORTASERVE_STRICT_PLUGINS decides
-    if config.model is None:
-        model_path = ensure_demo_checkpoint()
-    else:
-        model_path = resolve_model_path(config.model, config.revision)
+    model_path, default_name = _model_location(config)
     hf_config = load_hf_config(model_path)
     plan = resolve_plan(config, registry, choice, hf_config)
     arch = registry.get("model_architectures", plan.model_architecture.name)
@@ -63,7 +67,8 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
     is_demo = bool(hf_config.get("portaserve_demo"))
     if is_demo:
         logger.warning("no model given: serving the demo checkpoint at %s (RANDOM WEIGHTS, output is gibberish)", model_path)
-    name = config.served_model_name or (config.model if config.model else "portaserve-demo")
+    name = config.served_model_name or default_name
+    logger.info("serving %s from %s", name, model_path)
     return EngineSpec(
         config=config,
         plan=plan,
@@ -75,6 +80,21 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
         is_demo=is_demo,
         served_model_name=name,
     )
+
+
+def _model_location(config: EngineConfig) -> tuple[Path, str]:
+    """The model's folder or GGUF file, and the name it is served under by default."""
+    if config.model is not None:
+        return resolve_model_path(config.model, config.revision, config.gguf_file), config.model
+    default = default_model_file()
+    if default is not None:
+        logger.info("no model given: serving the default model %s (%s)", DEFAULT_MODEL_NAME, default)
+        return default, DEFAULT_MODEL_NAME
+    logger.warning(
+        "no model given and the default model (%s) is not installed: serving the random-weight demo checkpoint; "
+        "get the real one with `%s`", DEFAULT_MODEL_NAME, DEFAULT_MODEL_INSTALL,
+    )
+    return ensure_demo_checkpoint(), "portaserve-demo"
 
 
 def default_num_batched_tokens(spec: EngineSpec) -> int:

@@ -1,6 +1,7 @@
 """The run-time tokenizer: a Hugging Face `tokenizer.json` through the `tokenizers` library.
 
-No transformers at run time: `Tokenizer.from_pretrained(folder)` reads
+No transformers at run time: `Tokenizer.from_pretrained(folder)` reads a GGUF file's
+tokenizer metadata (see `framework.gguf.tokenizer`), or from a folder
 
 - `tokenizer.json` (required): the whole pipeline, added tokens included;
 - `tokenizer_config.json` (optional): the chat template, the bos / eos / pad / unk
@@ -118,6 +119,10 @@ class Tokenizer:
         """Load the tokenizer files of a local model folder (see the module docstring)."""
         from tokenizers import Tokenizer as Backend
 
+        from portaserve.framework.gguf import is_gguf_path
+
+        if is_gguf_path(folder):
+            return cls._from_gguf(folder)
         root = Path(folder)
         if not root.is_dir():
             raise invalid("tokenizer", f"{str(root)!r} is not a folder")
@@ -133,6 +138,12 @@ class Tokenizer:
             backend = Backend.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust loader raises its own Exception type
             raise invalid("tokenizer", f"cannot load {tokenizer_file}: {e}") from None
+        # As transformers does: the file's own padding and truncation settings (a
+        # sentence-transformers export carries `Fixed 128` padding and truncation at 128)
+        # are training-time choices. Prompts are never padded, and never cut silently: a
+        # prompt over the model's limit is a 400, or `truncate_prompt_tokens` when asked.
+        backend.no_padding()
+        backend.no_truncation()
 
         config_file = root / "tokenizer_config.json"
         config = _read_json(config_file) if config_file.is_file() else {}
@@ -177,6 +188,28 @@ class Tokenizer:
             add_eos_token=config.get("add_eos_token") if isinstance(config.get("add_eos_token"), bool) else None,
             generation_eos_ids=generation_eos,
             model_max_length=max_len if isinstance(max_len, int) and max_len < 10**12 else None,
+        )
+
+    @classmethod
+    def _from_gguf(cls, file: str | os.PathLike) -> "Tokenizer":
+        """The tokenizer a GGUF file's metadata describes (see `framework.gguf.tokenizer`)."""
+        from portaserve.framework.gguf import open_gguf
+        from portaserve.framework.gguf.tokenizer import gguf_tokenizer
+
+        parts = gguf_tokenizer(open_gguf(file))
+        return cls(
+            parts.backend,
+            path=str(file),
+            chat_template=parts.chat_template,
+            bos_token=parts.bos_token,
+            eos_token=parts.eos_token,
+            pad_token=parts.pad_token,
+            unk_token=parts.unk_token,
+            extra_special_ids=parts.extra_special_ids,
+            add_bos_token=parts.add_bos_token,
+            add_eos_token=parts.add_eos_token,
+            generation_eos_ids=parts.generation_eos_ids,
+            model_max_length=parts.model_max_length,
         )
 
     # ----- encoding and decoding -----------------------------------------------------------------

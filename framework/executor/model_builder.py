@@ -2,7 +2,7 @@
 
 The architecture is looked up by the name the plan chose (never re-selected); layers
 get their QuantMethod, attention backends and fused ops from the LayerContext; weights
-stream from the safetensors files one tensor at a time and each rank keeps only its
+stream from the safetensors files (or the GGUF file) one tensor at a time and each rank keeps only its
 shard. Parameters are created directly on the target device in the plan's dtype, and
 checkpoint tensors are converted to it as they are copied in.
 """
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from portaserve.framework.checkpoint import iter_safetensors, load_hf_config
+from portaserve.framework.checkpoint import iter_weights, load_hf_config
 from portaserve.framework.interfaces import Communicator, ModelArchitecture
 from portaserve.framework.layer_context import LayerContext
 from portaserve.framework.plan import ExecutionPlan
@@ -52,7 +52,7 @@ def build_model(
     # Parameters are allocated where they will live; no CPU staging copy of the model.
     with torch.device(device):
         model = arch_cls.build(hf_config, ctx)
-    model.load_weights(iter_safetensors(model_path, progress=(tp_rank == 0) if progress is None else progress))
+    model.load_weights(iter_weights(model_path, progress=(tp_rank == 0) if progress is None else progress))
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
