@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# llama.cpp for the tests and benchmarks (never a dependency of portaserve): the sources
+# vendored in the llama-cpp-python source distribution on PyPI, with llama.cpp's own
+# converter (convert_hf_to_gguf.py) and tools built from them with cmake.
+#
+#   ci/llama_cpp.sh DIR [TARGET...]      (default target: llama-tokenize)
+#
+# DIR receives the source tree; the tools land in DIR/build/bin. Then
+#   export PORTASERVE_LLAMA_CPP_DIR=DIR
+# Building llama-tokenize alone takes about 4 minutes on 2 cores; a second run reuses the build.
+set -euo pipefail
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+DIR="${1:?usage: ci/llama_cpp.sh DIR [TARGET...]}"
+shift
+TARGETS=("${@:-llama-tokenize}")
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -f "$DIR/convert_hf_to_gguf.py" ]; then
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    "$PYTHON" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$tmp"
+    tar -xzf "$tmp"/llama_cpp_python-"$VERSION".tar.gz -C "$tmp"
+    mkdir -p "$(dirname "$DIR")"
+    rm -rf "$DIR"
+    mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DIR"
+fi
+cmake -S "$DIR" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
+cmake --build "$DIR/build" --target "${TARGETS[@]}" -j "$(nproc)" >/dev/null
+echo "llama.cpp $VERSION in $DIR: $(cd "$DIR/build/bin" && ls "${TARGETS[@]}")"
