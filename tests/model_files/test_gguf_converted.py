@@ -18,6 +18,8 @@ import torch
 
 from portaserve import LLM, SamplingParams
 
+from .hf_reference import hf_greedy
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -28,14 +30,6 @@ MAX_TOKENS = 12
 def prompts():
     rng = random.Random(5)
     return [[rng.randrange(100, 150000) for _ in range(n)] for n in (4, 19, 40)]
-
-
-def hf_greedy(model, prompt):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def round_like_the_file(model, gguf_path, arch: str) -> None:
@@ -88,7 +82,7 @@ def test_converted_gguf_generates_like_transformers(folders, convert, arch, outt
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         if outtype != "f32":
             round_like_the_file(reference, gguf_path, arch)
-        expected = [hf_greedy(reference, p) for p in prompts()]
+        expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts()]
         assert llm.llm_engine.spec.hf_config["architectures"] == [arch]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
