@@ -204,7 +204,8 @@ def _read_json(path: Path, what: str) -> Any:
 
 def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of the folder, plus `portaserve_pooling` when it is a sentence-transformers
-    folder (`modules.json`): `{"mode": "mean"|"cls"|..., "normalize": bool}`.
+    folder (`modules.json`): `{"mode": "mean"|"cls"|..., "normalize": bool}`, and
+    `portaserve_max_seq_length` from its `sentence_bert_config.json`.
 
     For a GGUF file, the config its metadata describes (see `framework.gguf.config`).
     """
@@ -222,6 +223,12 @@ def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     pooling = load_sentence_transformers_pooling(folder)
     if pooling is not None:
         config["portaserve_pooling"] = pooling
+    st_file = folder / "sentence_bert_config.json"
+    if pooling is not None and st_file.is_file():
+        # sentence-transformers cuts inputs at max_seq_length; vLLM and portaserve make it the limit
+        max_seq_length = _read_json(st_file, "sentence-transformers config").get("max_seq_length")
+        if isinstance(max_seq_length, int) and max_seq_length > 0:
+            config["portaserve_max_seq_length"] = max_seq_length
     return config
 
 

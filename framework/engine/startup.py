@@ -56,12 +56,15 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
     hf_config = load_hf_config(model_path)
     plan = resolve_plan(config, registry, choice, hf_config)
     arch = registry.get("model_architectures", plan.model_architecture.name)
-    limit = arch.max_model_len(hf_config)
+    limit, source = arch.max_model_len(hf_config), "max_position_embeddings"
+    st_limit = hf_config.get("portaserve_max_seq_length")
+    if st_limit and st_limit < limit:
+        limit, source = int(st_limit), "sentence_bert_config.json max_seq_length"
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise InvalidParameterError(
             "max_model_len",
-            f"max_model_len: {max_model_len} exceeds the model's limit of {limit} tokens (max_position_embeddings)",
+            f"max_model_len: {max_model_len} exceeds the model's limit of {limit} tokens ({source})",
         )
     tokenizer_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
     is_demo = bool(hf_config.get("portaserve_demo"))

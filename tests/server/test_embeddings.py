@@ -72,3 +72,23 @@ def test_token_ids_base64_and_dimensions(client, srv):
 def test_generation_routes_are_400_on_an_embedding_model(client):
     with pytest.raises(openai.BadRequestError, match="embedding"):
         client.completions.create(model="bert", prompt="hi", max_tokens=2)
+
+
+@pytest.mark.slow
+def test_minilm_embeddings_match_sentence_transformers(minilm_folder):
+    """A real sentence-transformers folder through /v1/embeddings and the official client."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["A man is eating food.", "Sentence about topic number seven and what it says. " * 16]
+    with ServerThread(EngineConfig.create(model=str(minilm_folder), served_model_name="minilm")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        data = client.embeddings.create(model="minilm", input=texts).data
+        ids = httpx.post(server.url + "/tokenize", json={"prompt": texts[1]}).json()["tokens"]
+        too_long = httpx.post(server.url + "/v1/embeddings", json={"model": "minilm", "input": "word " * 300})
+    assert len(ids) > 128  # past the tokenizer.json's own padding / truncation length
+    theirs = SentenceTransformer(str(minilm_folder), device="cpu").encode(texts)
+    for ours, ref in zip((d.embedding for d in data), theirs):
+        cosine = float(np.dot(ours, ref) / np.linalg.norm(ours) / np.linalg.norm(ref))
+        assert cosine >= 0.9999, cosine
+    assert too_long.status_code == 400 and "256" in too_long.json()["error"]["message"]
