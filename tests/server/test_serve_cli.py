@@ -1,5 +1,5 @@
-"""`portaserve serve` as users run it (a subprocess on the demo checkpoint: the README's run
-command and curl example), the flag table, and the `chat` / `complete` API client."""
+"""`portaserve serve` as users run it (a subprocess on the default model, SmolLM2-135M-Instruct:
+the README's run command and curl example), the flag table, and the `chat` / `complete` API client."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_bad_flags_fail_before_the_engine_starts(argv, words, capsys):
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(smollm2_gguf):
     run_cmd = readme_blocks()[0].strip()
     assert run_cmd == "portaserve serve"
     port = free_port()
@@ -140,9 +140,23 @@ def test_readme_curl_example(served):
     body = json.loads(r.stdout)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
-    assert body["usage"]["completion_tokens"] == 16
+    assert "Paris" in body["choices"][0]["message"]["content"]
     card = httpx.get(url + "/v1/models").json()["data"][0]
-    assert card["id"] == "portaserve-demo" and card["demo"] is True and "RANDOM WEIGHTS" in card["description"]
+    assert card["id"] == "SmolLM2-135M-Instruct" and card["demo"] is False and card["root"].endswith(".gguf")
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_through_the_official_client(served):
+    import openai
+
+    _, url, _, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+    assert reply.model == "SmolLM2-135M-Instruct"
 
 
 @pytest.mark.slow
@@ -176,5 +190,5 @@ def test_startup_prints_the_plan_and_the_url(served):
     assert "ExecutionPlan" in out and "platform" in out
     assert re.search(r"prefill_cap\s+96 prompt tokens\s+\(platform cpu's measured serving default", out), out
     assert f"http://127.0.0.1:{port}/v1" in out
-    assert "RANDOM WEIGHTS" in out
+    assert "RANDOM WEIGHTS" not in out and "GGUF file" in out and "'SmolLM2-135M-Instruct'" in out
     assert proc.returncode == 0
