@@ -190,7 +190,7 @@ def _sentencepiece_merges(tokens, scores, types) -> list[tuple[str, str]]:
 
 
 def _sentencepiece_bpe(gguf: GGUFFile, tokens, types):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
 
     scores = gguf.get_array("tokenizer.ggml.scores")
     if scores is None:
@@ -204,12 +204,14 @@ def _sentencepiece_bpe(gguf: GGUFFile, tokens, types):
     tokenizer = Tokenizer(model)
     add_prefix = gguf.get("tokenizer.ggml.add_space_prefix")
     add_prefix = True if add_prefix is None else bool(add_prefix)
-    # "always": a ▁ before every run of text, after special tokens too (llama.cpp's is_prev_special)
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="always" if add_prefix else "never", split=False
-    )
+    # A ▁ before every run of text, even one that starts with a space and after special
+    # tokens (llama.cpp's is_prev_special; transformers' legacy Llama tokenizer): a
+    # normalizer, since Metaspace's "always" skips text that already starts with ▁.
+    steps = [normalizers.Prepend("▁")] if add_prefix else []
+    steps.append(normalizers.Replace(" ", "▁"))
     if gguf.get("tokenizer.ggml.remove_extra_whitespaces"):
-        tokenizer.normalizer = normalizers.Sequence([normalizers.Strip(), normalizers.Replace(r"\s+", " ")])
+        steps = [normalizers.Strip(), normalizers.Replace(Regex(r"\s+"), " ")] + steps
+    tokenizer.normalizer = normalizers.Sequence(steps)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))

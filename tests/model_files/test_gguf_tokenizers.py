@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from portaserve.framework.engine.tokenizer import Tokenizer
+from portaserve.framework.errors import InvalidParameterError
 from portaserve.framework.gguf import open_gguf
 from portaserve.framework.gguf.pretokenizers import ALIASES, UNSUPPORTED
 
@@ -200,3 +201,32 @@ def test_every_llama_cpp_name_is_supported_or_refused_by_name():
     for name in UNSUPPORTED:
         with pytest.raises(KeyError, match=name):
             pretokenizer_spec(name)
+
+
+# ----- llama.cpp's own vocabulary test files --------------------------------------------
+
+#: vocab-only GGUFs of real models in llama.cpp's `models/` folder, each with `.inp` texts
+#: and `.out` ids that llama.cpp's convert_hf_to_gguf_update.py took from the model's own
+#: HF tokenizer (encode with add_special_tokens=False)
+VOCAB_FILES = ("bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe",
+               "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder")
+
+
+@pytest.mark.grid(keep=3)
+@pytest.mark.parametrize("name", VOCAB_FILES)
+def test_llama_cpp_vocab_files_give_the_hf_tokenizers_ids(llama_cpp, name):
+    path = llama_cpp.source / "models" / f"ggml-vocab-{name}.gguf"
+    texts = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    tokenizer = Tokenizer.from_pretrained(path)
+    assert len(texts) > 40
+    for text, line in zip(texts, expected):
+        assert tokenizer.encode(text, add_special_tokens=False) == [int(x) for x in line.split()], text
+        if name != "bert-bge":  # WordPiece lowercases and drops spacing; the others round-trip
+            assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_a_tokenizer_model_it_cannot_build_is_refused_by_name(llama_cpp):
+    path = llama_cpp.source / "models" / "ggml-vocab-gemma-4.gguf"
+    with pytest.raises(InvalidParameterError, match="tokenizer model 'gemma4' is not supported"):
+        Tokenizer.from_pretrained(path)
