@@ -62,6 +62,58 @@ def _pick_chat_template(value: Any) -> str | None:
     return None
 
 
+#: transformers tokenizer classes that rebuild tokenizer.json's byte-level pre-tokenizer
+#: with tokenizer_config.json's `add_prefix_space` (its generic backend ignores the flag)
+_BYTE_LEVEL_CLASSES = frozenset({
+    "GPT2Tokenizer", "Qwen2Tokenizer", "RobertaTokenizer", "CodeGenTokenizer", "GPTNeoXTokenizer", "BartTokenizer",
+    "LongformerTokenizer", "BlenderbotTokenizer", "DebertaTokenizer", "WhisperTokenizer",
+})
+#: transformers tokenizer classes that rebuild a SentencePiece-style BPE from `legacy`
+#: and `add_prefix_space`, ignoring tokenizer.json's own normalizer and pre-tokenizer
+_LLAMA_CLASSES = frozenset({"LlamaTokenizer", "CodeLlamaTokenizer"})
+
+
+def _apply_transformers_class_settings(backend: Any, config: Mapping[str, Any]) -> None:
+    """What transformers' tokenizer class (tokenizer_config.json's `tokenizer_class`) does
+    to tokenizer.json's pipeline at load, so the ids match `AutoTokenizer`'s.
+
+    - byte-level classes (GPT-2, Qwen2, RoBERTa, ...): `add_prefix_space` is set on the
+      ByteLevel pre-tokenizer;
+    - Llama's classes: a Metaspace pre-tokenizer with no normalizer, which prepends `▁` to
+      every run of text (`legacy: true`), to the first one only (`legacy: false`, the
+      default) or never (`add_prefix_space: false`); the decoder strips that space again.
+    """
+    from tokenizers import decoders, pre_tokenizers
+
+    name = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+    add_prefix_space = config.get("add_prefix_space")
+    if name in _BYTE_LEVEL_CLASSES and isinstance(add_prefix_space, bool):
+        pre = backend.pre_tokenizer
+        steps = [pre] if isinstance(pre, pre_tokenizers.ByteLevel) else []
+        if isinstance(pre, pre_tokenizers.Sequence):
+            index = 0
+            while True:
+                try:
+                    step = pre[index]
+                except IndexError:
+                    break
+                if isinstance(step, pre_tokenizers.ByteLevel):
+                    steps.append(step)
+                index += 1
+        for step in steps:
+            step.add_prefix_space = add_prefix_space
+    elif name in _LLAMA_CLASSES and json.loads(backend.to_str()).get("model", {}).get("byte_fallback"):
+        prefix = add_prefix_space if isinstance(add_prefix_space, bool) else True
+        legacy = bool(config.get("legacy", False))
+        scheme = ("always" if legacy else "first") if prefix else "never"
+        backend.normalizer = None
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
+        backend.decoder = decoders.Sequence(steps)
+
+
 class Tokenizer:
     """Encode / decode with one model's tokenizer; built by `Tokenizer.from_pretrained`."""
 
@@ -147,6 +199,7 @@ class Tokenizer:
 
         config_file = root / "tokenizer_config.json"
         config = _read_json(config_file) if config_file.is_file() else {}
+        _apply_transformers_class_settings(backend, config)
         chat_template = _pick_chat_template(config.get("chat_template"))
         jinja_file = root / "chat_template.jinja"
         json_template_file = root / "chat_template.json"
