@@ -79,9 +79,16 @@ class TensorSpec:
 
 def read_checkpoint_specs(folder: str | os.PathLike) -> dict[str, TensorSpec]:
     """Name -> TensorSpec of every tensor in the folder's safetensors files, from their
-    headers alone (no tensor data is read)."""
+    headers alone (no tensor data is read). For a GGUF file: its tensors under their HF
+    names, as the floats they load as."""
     from portaserve.framework.checkpoint import safetensors_files
+    from portaserve.framework.gguf import is_gguf_path, open_gguf
 
+    if is_gguf_path(folder):
+        from portaserve.framework.gguf.weights import hf_tensor_name
+
+        gguf = open_gguf(folder)
+        return {hf_tensor_name(gguf.architecture, t.name): TensorSpec(t.shape, torch.float32) for t in gguf.tensors}
     specs: dict[str, TensorSpec] = {}
     for file in safetensors_files(folder):
         with open(file, "rb") as f:

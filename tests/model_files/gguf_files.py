@@ -87,8 +87,10 @@ def write_decoder(
     seed: int = 0,
     extra=None,
     with_vocab: bool = True,
+    configure=None,
 ) -> Path:
-    """A tiny decoder GGUF: random weights, matrices stored as `matrix_type`."""
+    """A tiny decoder GGUF: random weights, matrices stored as `matrix_type`; `extra`
+    adds tensors ({name: (float array, type)}), `configure(writer)` more metadata."""
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     vocab = len(tokens)
@@ -104,6 +106,8 @@ def write_decoder(
     writer.add_file_type(0 if matrix_type == "F32" else 7)
     if with_vocab:
         add_bpe_vocab(writer, tokens, types, merges, eos_id=vocab - 1)
+    if configure is not None:
+        configure(writer)  # more metadata
     head_dim = hidden // heads
 
     def mat(rows, cols):

@@ -89,3 +89,19 @@ def test_converted_gguf_generates_like_transformers(folders, convert, arch, outt
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     finally:
         llm.shutdown()
+
+
+def test_an_engine_serving_a_gguf_takes_weight_updates_from_the_hf_folder(folders, convert):
+    """Live weight updates check names and shapes against the GGUF's tensors (under HF names)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = folders["LlamaForCausalLM"]
+    llm = LLM(str(convert(folder, "q8_0")), dtype="float32", num_gpu_blocks_override=64)
+    try:
+        assert llm.update_weights(str(folder))["weights_version"] == 1
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(reference, p, MAX_TOKENS) for p in prompts()]
+    finally:
+        llm.shutdown()

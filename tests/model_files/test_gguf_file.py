@@ -143,3 +143,46 @@ def test_a_vocab_only_file_loads_as_a_tokenizer(tmp_path):
     ids = tok.encode("hello<|endoftext|>", add_special_tokens=False)
     assert ids == [tokens.index("hello"), tokens.index("<|endoftext|>")]
     assert tok.decode(ids) == "hello" and tok.decode(ids, skip_special_tokens=False) == "hello<|endoftext|>"
+
+
+def test_rope_scaling_and_window_from_metadata(tmp_path):
+    from gguf import RopeScalingType
+
+    def yarn(writer):
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_sliding_window(32)
+
+    config = gguf_model_config(open_gguf(write_decoder(tmp_path / "yarn.gguf", configure=yarn)))
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert config["sliding_window"] == 32
+
+    def linear(writer):
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+
+    config = gguf_model_config(open_gguf(write_decoder(tmp_path / "linear.gguf", configure=linear)))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_llama3_rope_frequency_factors_are_refused_clearly(tmp_path):
+    file = write_decoder(tmp_path / "l31.gguf", extra={"rope_freqs.weight": (np.ones(8, dtype=np.float32), "F32")})
+    with pytest.raises(InvalidParameterError, match="rope_freqs.weight") as err:
+        spec_of(file)
+    assert str(file) in str(err.value)
+
+
+def test_token_types_control_user_defined_unused_and_eog(tmp_path):
+    tokens, types, merges = tiny_vocab()
+    tokens += ["<tool_call>", "<|im_end|>", "[PAD7]"]
+    types += [4, 3, 5]  # USER_DEFINED, CONTROL, UNUSED
+    file = write_vocab(tmp_path / "v.gguf", tokens, types, merges, pre="qwen2")
+    tok = Tokenizer.from_pretrained(file)
+    call, im_end, pad = (tokens.index(t) for t in ("<tool_call>", "<|im_end|>", "[PAD7]"))
+    ids = tok.encode("hello<tool_call><|im_end|>", add_special_tokens=False)
+    assert ids == [tokens.index("hello"), call, im_end]
+    assert tok.decode(ids) == "hello<tool_call>"  # control tokens are skipped, user-defined ones kept
+    assert tok.is_special(im_end) and not tok.is_special(call) and not tok.is_special(pad)
+    assert im_end in tok.eos_token_ids  # llama.cpp's end-of-generation texts
+    assert tok.encode("[PAD7]", add_special_tokens=False) != [pad]  # an unused token is not matched in text

@@ -105,6 +105,32 @@ def test_hub_download_uses_short_timeout_and_allow_list(hub_cache, monkeypatch, 
     assert not any(p.endswith((".bin", ".pt", ".gguf", ".onnx")) for p in patterns)
 
 
+def test_one_gguf_file_of_a_hub_repository(hub_cache, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    calls = []
+    fetched = tmp_path / "model.Q4_K_M.gguf"
+    fetched.write_bytes(b"GGUF")
+
+    def fake_hf_hub_download(**kwargs):
+        calls.append(kwargs)
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        return str(fetched)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_hf_hub_download)
+    assert ckpt.resolve_model_path("org/name-GGUF", gguf_file="model.Q4_K_M.gguf") == fetched
+    assert [c.get("local_files_only", False) for c in calls] == [True, False]  # the cache first
+    assert calls[1]["filename"] == "model.Q4_K_M.gguf" and calls[1]["etag_timeout"] <= 10
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InvalidParameterError, match="offline"):
+        ckpt.resolve_model_path("org/other-GGUF", gguf_file="model.gguf")
+    with pytest.raises(InvalidParameterError, match="not a .gguf file") as err:
+        ckpt.resolve_model_path("org/name-GGUF", gguf_file="model.safetensors")
+    assert err.value.param == "gguf_file"
+
+
 def test_cached_hub_snapshot_needs_no_network(hub_cache, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     repo = hub_cache / "models--org--cached"

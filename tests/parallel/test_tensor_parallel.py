@@ -89,3 +89,21 @@ def test_ray_backend_without_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(UnsupportedError, match=r"pip install 'portaserve\[ray\]'"):
         import_ray()
+
+
+def test_tp2_gguf_matches_tp1(tmp_path):
+    """A GGUF model (Q8_0 matrices, llama's permuted Q/K) split over two ranks."""
+    from model_files.gguf_files import write_decoder
+
+    gguf = write_decoder(tmp_path / "tiny.gguf", arch="llama", matrix_type="Q8_0", layers=2, heads=4, kv_heads=2)
+    prompts = prompts_of([3, 17, 40], seed=9, vocab=250)
+    single = LLM(str(gguf), **ENGINE_KW)
+    try:
+        expected = generate_ids(single, prompts, 10)
+    finally:
+        single.shutdown()
+    llm = LLM(str(gguf), tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE_KW)
+    try:
+        assert generate_ids(llm, prompts, 10) == expected
+    finally:
+        llm.shutdown()
