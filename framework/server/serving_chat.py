@@ -269,13 +269,20 @@ class ChatService:
     async def _stream(self, plan: ChatPlan, first: Any, gen: AsyncIterator[Any], span: Any = None) -> AsyncIterator[str]:
         counts: list[int] = []
         error = None
+        events = self._stream_events(plan, first, gen, counts)
         try:
-            async for event in self._stream_events(plan, first, gen, counts):
+            async for event in events:
                 yield event
         except BaseException as exc:
             error = exc
             raise
         finally:
+            # Close both now, not when the garbage collector gets to them: closing `gen`
+            # aborts the request and releases its output queue. A suspended generator
+            # left to the collector (a cycle through a traceback) kept a dropped stream's
+            # request in flight for an unbounded time.
+            await events.aclose()
+            await gen.aclose()
             end_span(span, error, **{"gen_ai.usage.completion_tokens": sum(counts)})
 
     async def _stream_events(self, plan: ChatPlan, first: Any, gen: AsyncIterator[Any], counts: list[int]) -> AsyncIterator[str]:

@@ -217,31 +217,39 @@ class CompletionService:
             async for out in gen:
                 yield out
 
-        async for pi, out in merge([with_first(first, gen) for first, gen in gens]):
-            p = plan.prompts[pi]
-            cached[pi] = max(cached.get(pi, 0), out.num_cached_tokens)
-            for comp in out.outputs:
-                index = pi * n + comp.index
-                num_tokens[index] = num_tokens.get(index, 0) + len(comp.token_ids)
-                text = comp.text
-                ids, lps = list(comp.token_ids), list(comp.logprobs or [])
-                if req.echo and index not in echoed:
-                    echoed.add(index)
-                    text = self._prompt_text(p) + text
-                    ids = list(p.ids) + ids
-                    lps = list(out.prompt_logprobs or [None] * len(p.ids)) + lps
-                final = comp.finish_reason is not None
-                if not text and not ids and not final:
-                    continue
-                logprobs = None
-                if req.logprobs is not None:
-                    lp = completion_logprobs(ids, lps, req.logprobs, text_of, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
-                    logprobs = lp.model_dump()
-                choice = {"index": index, "text": text, "logprobs": logprobs,
-                          "finish_reason": comp.finish_reason if final else None,
-                          "stop_reason": comp.stop_reason if final else None}
-                usage = make_usage(num_prompt, sum(num_tokens.values()), sum(cached.values())) if continuous else None
-                yield chunk([choice], usage)
+        merged = merge([with_first(first, gen) for first, gen in gens])
+        try:
+            async for pi, out in merged:
+                p = plan.prompts[pi]
+                cached[pi] = max(cached.get(pi, 0), out.num_cached_tokens)
+                for comp in out.outputs:
+                    index = pi * n + comp.index
+                    num_tokens[index] = num_tokens.get(index, 0) + len(comp.token_ids)
+                    text = comp.text
+                    ids, lps = list(comp.token_ids), list(comp.logprobs or [])
+                    if req.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self._prompt_text(p) + text
+                        ids = list(p.ids) + ids
+                        lps = list(out.prompt_logprobs or [None] * len(p.ids)) + lps
+                    final = comp.finish_reason is not None
+                    if not text and not ids and not final:
+                        continue
+                    logprobs = None
+                    if req.logprobs is not None:
+                        lp = completion_logprobs(ids, lps, req.logprobs, text_of, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
+                        logprobs = lp.model_dump()
+                    choice = {"index": index, "text": text, "logprobs": logprobs,
+                              "finish_reason": comp.finish_reason if final else None,
+                              "stop_reason": comp.stop_reason if final else None}
+                    usage = make_usage(num_prompt, sum(num_tokens.values()), sum(cached.values())) if continuous else None
+                    yield chunk([choice], usage)
+        finally:
+            # closed now, not by the garbage collector: closing each engine iterator
+            # aborts its request and releases its output queue (see ChatService._stream)
+            await merged.aclose()
+            for _, gen in gens:
+                await gen.aclose()
         if include_usage:
             yield chunk([], make_usage(num_prompt, sum(num_tokens.values()), sum(cached.values())))
