@@ -12,7 +12,8 @@ from typing import Any
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the demo checkpoint)")
+    p.add_argument("--model", default=None, help="model folder, GGUF file or hub id (default: the default model, "
+                   "SmolLM2-135M-Instruct, as `portaserve serve` runs it)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the batch size")

@@ -79,3 +79,23 @@ def test_unlisted_and_stale_packages(tmp_path):
     assert proc.returncode == 1
     assert "package 'portaserve.framework.newpkg' exists but is not in [tool.setuptools] packages" in proc.stdout
     assert "package 'portaserve.models' is listed but has no __init__.py" in proc.stdout
+
+
+def test_ci_installs_what_the_readme_install_command_installs():
+    """Every `pip install` step of the README's install-and-run command is in .ci/run
+    (with the test extras on top), so CI checks the install users run."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Install and run"):]
+    command = re.search(r"```bash\n(.+?)\n```", section, re.S).group(1)
+    steps = [s.strip() for s in command.split("&&")]
+    assert steps[-1] == "portaserve serve"
+    ci = (REPO / ".ci" / "run").read_text()
+    for step in steps[:-1]:
+        assert step.startswith("pip install "), step
+        args = step.removeprefix("pip install ").replace("-e .", ".")
+        if args == ".":
+            assert re.search(r'pip install -q "\.\[test', ci), step  # the project, with its test extras
+        else:
+            assert f"pip install -q {args}" in ci, step
