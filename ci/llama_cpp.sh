@@ -24,7 +24,13 @@ if [ ! -f "$DIR/convert_hf_to_gguf.py" ]; then
     rm -rf "$DIR"
     mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DIR"
 fi
-cmake -S "$DIR" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
-cmake --build "$DIR/build" --target "${TARGETS[@]}" -j "$(nproc)" >/dev/null
+# the compiler's warnings go to a log; a failure prints its end
+log="$DIR/build.log"
+if ! { cmake -S "$DIR" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        && cmake --build "$DIR/build" --target "${TARGETS[@]}" -j "$(nproc)"; } >"$log" 2>&1; then
+    tail -n 40 "$log"
+    echo "building llama.cpp failed (the whole log: $log)" >&2
+    exit 1
+fi
 echo "llama.cpp $VERSION in $DIR: $(cd "$DIR/build/bin" && ls "${TARGETS[@]}")"
