@@ -17,6 +17,8 @@ included), so every kernel and dtype path keeps a case in the loop.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
 import sys
 import textwrap
@@ -34,6 +36,29 @@ import torch
 # ours. The tests import the installed portaserve only, so the root comes off sys.path.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
+
+
+class _RepoFoldersAreNotTopLevel(importlib.abc.MetaPathFinder):
+    """Finds `kernels`, `framework`, ... anywhere but in the repository root.
+
+    pytest puts the root back on sys.path when it sets up the root folder as a package
+    (it has an __init__.py: it is `portaserve`), which depends on the clone's folder
+    name; this finder makes the shadowing impossible whatever sys.path holds.
+    """
+
+    NAMES = frozenset({"kernels", "framework", "models", "platforms", "benchmarks", "examples", "ci"})
+
+    def find_spec(self, fullname, path=None, target=None):
+        if path is not None or fullname not in self.NAMES:
+            return None
+        elsewhere = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
+        spec = importlib.machinery.PathFinder.find_spec(fullname, elsewhere)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return spec
+
+
+sys.meta_path.insert(0, _RepoFoldersAreNotTopLevel())
 
 
 @pytest.hookimpl(tryfirst=True)
