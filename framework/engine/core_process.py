@@ -67,7 +67,7 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     deferred: list[tuple] = []  # DRAINING_METHODS calls waiting for the running requests
-    held: list[Any] = []  # requests that arrived while a deferred call waits
+    held: list[list[Any]] = []  # "add" groups (one prompt's children) that arrived while a deferred call waits
     try:
         while True:
             # Block while idle; with work queued, only drain what has already arrived.
@@ -80,11 +80,11 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
                 if msg[0] == "call" and msg[2] in DRAINING_METHODS and msg[2] in CALLABLE_METHODS:
                     deferred.append(msg)
                 elif msg[0] == "add" and deferred:
-                    held.extend(msg[1])
+                    held.append(msg[1])
                 else:
                     if msg[0] == "abort" and held:
                         gone = set(msg[1])
-                        held = [r for r in held if r.request_id not in gone]
+                        held = [group for group in ([r for r in g if r.request_id not in gone] for g in held) if group]
                     _handle(core, msg, send)
                 events = dict(poller.poll(0))
             if core.has_unfinished_requests():
@@ -94,9 +94,9 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
                 for msg in deferred:
                     _handle(core, msg, send)
                 deferred = []
-                if held:
-                    _handle(core, ("add", held), send)
-                    held = []
+                for group in held:
+                    _handle(core, ("add", group), send)
+                held = []
     except BaseException as exc:  # a dead engine must say why, then exit
         send(("dead", f"engine core died: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -112,11 +112,11 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
 def _handle(core: Any, msg: tuple, send) -> None:
     kind = msg[0]
     if kind == "add":
-        for request in msg[1]:
-            try:
-                core.add_request(request)
-            except ValueError as exc:  # validated in the front end; report, don't die
-                send(("rejected", request.request_id, str(exc)))
+        # one message per prompt: its children, added together or not at all
+        try:
+            core.add_requests(msg[1])
+        except ValueError as exc:  # validated in the front end; report, don't die
+            send(("rejected", msg[1][0].request_id, str(exc)))
     elif kind == "abort":
         core.abort_requests(msg[1])
     elif kind == "finish":

@@ -67,8 +67,7 @@ class LLMEngine:
         )
         self.output_processor.add_request(processed)
         try:
-            for child in processed.children:
-                self.core.add_request(child)
+            self.core.add_requests(list(processed.children))
         except Exception:
             self.core.abort_requests([c.request_id for c in processed.children])
             self.output_processor.abort_request(request_id)

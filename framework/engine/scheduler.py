@@ -32,7 +32,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from portaserve.framework.errors import InvalidParameterError, invalid
@@ -245,6 +245,31 @@ class Scheduler:
         self._order[rid] = next(self._counter)
         self.requests[rid] = request
         self.waiting.push(request)
+
+    def check_siblings_fit(self, requests: Sequence[Request]) -> None:
+        """The `n` sequences of one prompt must fit in the KV cache together.
+
+        Refused up front when they cannot, rather than left to preempt one another. The
+        prompt's full blocks are counted once when prefix caching shares them.
+
+        :raises InvalidParameterError: on `n`, with the blocks needed and the cache's size.
+        """
+        generating = [r for r in requests if not r.is_pooling]
+        if len(generating) < 2:
+            return
+        bs = self.block_size
+        num_prompt = generating[0].num_prompt_tokens
+        per_sequence = [-(-min(num_prompt + r.max_tokens, self.max_model_len) // bs) for r in generating]
+        shared = num_prompt // bs if self.block_manager.enable_caching else 0
+        needed = shared + sum(blocks - shared for blocks in per_sequence)
+        usable = self.block_manager.num_usable_blocks
+        if needed > usable:
+            raise InvalidParameterError(
+                "n",
+                f"n: {len(generating)} sequences of a {num_prompt}-token prompt with max_tokens "
+                f"{generating[0].max_tokens} need {needed} KV blocks together, but the cache holds {usable} "
+                f"(blocks of {bs}); lower n or max_tokens",
+            )
 
     def abort_requests(self, req_ids: Iterable[str] | str) -> None:
         """End requests now, wherever they are; unknown or finished ids are ignored.

@@ -143,6 +143,10 @@ class ChatService:
         engine = state.require_engine()
         model = state.check_model(req.model)
         req.unsupported_fields()
+        limits = settings.limits
+        limits.check_chat(req)
+        limits.check_sampling(req)
+        limits.check_truncate(req.truncate_prompt_tokens, state.spec.max_model_len)
         state.check_priority(req.priority)
         tokenizer = engine.tokenizer
         if tokenizer is None:
@@ -182,6 +186,7 @@ class ChatService:
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
+        limits.check_prompt_logprobs(req.prompt_logprobs, len(prompt_ids))
         params = SamplingParams(
             **req.sampling_kwargs(),
             max_tokens=req.max_output_tokens,

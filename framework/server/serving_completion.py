@@ -73,6 +73,10 @@ class CompletionService:
         engine = state.require_engine()
         model = state.check_model(req.model)
         req.unsupported_fields()
+        limits = state.settings.limits
+        num_prompts = limits.check_prompts("prompt", req.prompt, "max_prompts")
+        limits.check_sampling(req, num_prompts)
+        limits.check_truncate(req.truncate_prompt_tokens, state.spec.max_model_len)
         state.check_priority(req.priority)
         tokenizer = engine.tokenizer
         response_id = f"cmpl-{base_request_id(raw, req.request_id)}"
@@ -98,6 +102,7 @@ class CompletionService:
         )
         if req.echo and logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = logprobs
+        limits.check_prompt_logprobs(params.prompt_logprobs, sum(len(p.ids) for p in prompts))
         return CompletionPlan(req, model, response_id, prompts, params)
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:

@@ -62,6 +62,9 @@ class EmbeddingService:
         state = self.state
         engine = state.require_engine()
         model = state.check_model(req.model)
+        limits = state.settings.limits
+        limits.check_prompts("input", req.input, "max_embedding_inputs")
+        limits.check_truncate(req.truncate_prompt_tokens, state.spec.max_model_len)
         state.check_priority(req.priority)
         tokenizer = engine.tokenizer
         response_id = f"embd-{base_request_id(raw, req.request_id)}"

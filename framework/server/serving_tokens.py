@@ -57,6 +57,7 @@ class TokenService:
         if (req.prompt is None) == (req.messages is None):
             raise invalid("prompt", "give exactly one of prompt (text) and messages (a conversation)")
         if req.messages is not None:
+            state.settings.limits.check_chat(req)
             template = state.settings.chat_template
             if req.chat_template is not None:
                 if not state.settings.trust_request_chat_template:
@@ -79,6 +80,7 @@ class TokenService:
         state = self.state
         tok = self._tokenizer()
         state.check_model(req.model)
+        state.settings.limits.check_token_ids("tokens", req.tokens)
         vocab = state.spec.vocab_size if state.spec is not None else tok.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -99,10 +101,14 @@ class TokenService:
         if req.stream_options is not None and not req.stream:
             raise invalid("stream_options", "is only allowed when stream is true")
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        limits = state.settings.limits
+        limits.check_token_ids("token_ids", req.token_ids)
         try:
             params = SamplingParams(**req.sampling_params, output_kind=kind)
         except TypeError as exc:
             raise invalid("sampling_params", str(exc)) from None
+        limits.check_sampling(params)
+        limits.check_prompt_logprobs(params.prompt_logprobs, len(req.token_ids))
         request_id = base_request_id(raw, req.request_id)
         gen = engine_outputs(
             state, engine_request_id(request_id), {"prompt_token_ids": list(req.token_ids)}, params,

@@ -8,6 +8,7 @@ from typing import Any
 
 from portaserve.framework.errors import invalid
 from portaserve.framework.server.errors import APIError, first_line
+from portaserve.framework.server.limits import RequestLimits
 from portaserve.framework.server.metrics import ServerMetrics
 from portaserve.framework.server.tracing import Tracer
 
@@ -37,6 +38,8 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     trust_request_chat_template: bool = False
     otlp_traces_endpoint: str | None = None
+    #: Bounds on every size a request supplies (see limits.py).
+    limits: RequestLimits = field(default_factory=RequestLimits)
     registry: Any = field(default=None, compare=False)  # a PluginRegistry for the parsers (tests)
 
     def check(self) -> None:

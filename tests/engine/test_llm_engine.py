@@ -214,3 +214,19 @@ def test_prefill_cap_reaches_the_scheduler_and_keeps_outputs(folder):
         engine.shutdown()
     assert runs[8][0] == runs[0][0]
     assert runs[8][1] > runs[0][1], runs
+
+
+def test_n_sequences_that_cannot_fit_the_kv_cache_together_are_refused(folder):
+    from portaserve.framework.errors import InvalidParameterError
+
+    engine = LLM(folder, dtype="float32", block_size=16, num_gpu_blocks_override=9)  # 8 usable blocks
+    try:
+        prompt = {"prompt_token_ids": prompts_of([20], seed=3)[0]}
+        ok = engine.generate([prompt], SamplingParams(n=2, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+        assert len(ok.outputs) == 2 and all(len(c.token_ids) == 30 for c in ok.outputs)
+        with pytest.raises(InvalidParameterError, match="n: 5 sequences") as err:
+            engine.generate([prompt], SamplingParams(n=5, max_tokens=30, ignore_eos=True), use_tqdm=False)
+        assert err.value.param == "n"
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()

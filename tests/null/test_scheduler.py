@@ -705,3 +705,20 @@ def test_random_add_abort_step(ops, num_blocks, block_size, budget, max_num_seqs
             assert res[rid].tokens == reference(prompt, max_tokens)[: len(res[rid].tokens)]
         else:
             assert res[rid].tokens == reference(prompt, max_tokens)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_siblings_that_cannot_fit_together_are_refused_up_front(caching):
+    # 16 usable blocks of 4 tokens; a 12-token prompt (3 full blocks) + 8 new tokens = 5 blocks per sequence
+    sched, _ = make(num_blocks=17, block_size=4, caching=caching)
+    siblings = [new_req(f"r-{i}", list(range(1, 13)), max_tokens=8) for i in range(4)]
+    if caching:  # 3 shared prompt blocks + 4 x 2 own blocks = 11 <= 16
+        sched.check_siblings_fit(siblings)
+    else:  # 4 x 5 = 20 > 16
+        with pytest.raises(InvalidParameterError, match="need 20 KV blocks together") as err:
+            sched.check_siblings_fit(siblings)
+        assert err.value.param == "n"
+    many = [new_req(f"m-{i}", list(range(1, 13)), max_tokens=8) for i in range(7)]
+    with pytest.raises(InvalidParameterError, match="n: 7 sequences"):
+        sched.check_siblings_fit(many)  # 3 + 7 x 2 = 17 > 16 even when the prompt is shared
+    sched.check_siblings_fit(many[:1])  # one sequence: the per-request check decides
