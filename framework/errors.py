@@ -35,6 +35,10 @@ class PluginError(PortaserveError, RuntimeError):
     """A plugin failed to load or misbehaved, raised under `--strict-plugins`."""
 
 
+class RequestFailedError(PortaserveError, RuntimeError):
+    """One request failed inside the engine (the engine and the other requests go on)."""
+
+
 class EngineDeadError(PortaserveError, RuntimeError):
     """The engine process (or a worker) died; in-flight requests fail with this."""
 

@@ -28,7 +28,7 @@ from portaserve.framework.engine.outputs import EmbeddingRequestOutput, RequestO
 from portaserve.framework.engine.params import PoolingParams, SamplingParams
 from portaserve.framework.engine.processor import InputProcessor
 from portaserve.framework.engine.startup import EngineSpec, resolve_engine
-from portaserve.framework.errors import EngineDeadError, invalid
+from portaserve.framework.errors import EngineDeadError, RequestFailedError, invalid
 
 logger = logging.getLogger("portaserve")
 
@@ -191,7 +191,8 @@ class AsyncLLM:
         for out in outputs:
             q = self.queues.get(out.request_id)
             if q is not None:
-                q.put_nowait(out)
+                error = getattr(out, "error", None)
+                q.put_nowait(RequestFailedError(error) if error is not None else out)
 
     # ----- requests --------------------------------------------------------------------
 

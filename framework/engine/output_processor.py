@@ -24,6 +24,7 @@ from portaserve.framework.engine.outputs import (
 from portaserve.framework.engine.params import PoolingParams, RequestOutputKind, SamplingParams
 from portaserve.framework.engine.processor import ProcessedRequest
 from portaserve.framework.engine.scheduler_output import EngineCoreOutput, Logprobs
+from portaserve.framework.errors import RequestFailedError
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class _Parent:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     embedding: list[float] | None = None
+    error: str | None = None  # the request failed (in the engine, or detokenizing here)
 
     @property
     def finished(self) -> bool:
@@ -123,8 +125,21 @@ class OutputProcessor:
             if parent is None:
                 continue  # aborted by the front end already
             child = next(c for c in parent.children if c.req_id == out.req_id)
-            if self._apply(parent, child, out, now):
-                to_finish.append(child.req_id)
+            try:
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
+                if self._apply(parent, child, out, now):
+                    to_finish.append(child.req_id)
+            except Exception as exc:
+                # this request alone fails (an engine-side failure, a detokenizer error);
+                # its siblings still running in the core are stopped with it
+                parent.error = parent.error or (str(exc) if isinstance(exc, RequestFailedError)
+                                                else f"{type(exc).__name__}: {exc}")
+                for c in parent.children:
+                    if c.finish_reason is None:
+                        c.finish_reason = "error"
+                        if c is not child:
+                            to_finish.append(c.req_id)
             touched[parent.request_id] = parent
         emitted: list[RequestOutput | EmbeddingRequestOutput] = []
         for parent in touched.values():
@@ -251,4 +266,5 @@ class OutputProcessor:
             metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens,
             weights_version=self.weights_version,
+            error=parent.error,
         )

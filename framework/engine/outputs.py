@@ -68,6 +68,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     weights_version: int | None = None
+    #: Set when this request failed in the engine (its completions end with finish_reason
+    #: "error"); the other requests were not affected.
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request alone failed in the engine (a raising logits processor, NaN logits)
 
     @property
     def finished(self) -> bool:
@@ -31,6 +32,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

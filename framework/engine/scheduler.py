@@ -534,6 +534,7 @@ class Scheduler:
         if runner_output is None:
             return outputs
         sampled = runner_output.sampled_token_ids
+        errors = runner_output.errors
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         pooled = runner_output.pooler_output
@@ -564,6 +565,14 @@ class Scheduler:
                 any_finished = True
                 continue
             token = sampled.get(rid)
+            if token is None and rid in errors:
+                # this request alone failed; the rest of the batch goes on
+                request.status = RequestStatus.FINISHED_ERROR
+                outputs.append(EngineCoreOutput(rid, (), finish_reason=request.finish_reason,
+                                                num_cached_tokens=request.num_cached_tokens, error=errors[rid]))
+                self._release(request)
+                any_finished = True
+                continue
             if token is None:
                 if plp is not None:
                     outputs.append(EngineCoreOutput(rid, (), prompt_logprobs=plp, num_cached_tokens=request.num_cached_tokens))

@@ -9,7 +9,7 @@ deltas for the others (vLLM v1's scheme).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .params import PoolingParams, SamplingParams
 
@@ -80,6 +80,8 @@ class ModelRunnerOutput:
     prompt_logprobs: Mapping[str, tuple[Logprobs, ...]]
     # req_id -> embedding, for pooling requests whose prompt finished this step
     pooler_output: Mapping[str, tuple[float, ...]]
+    # req_id -> why this request alone failed this step (it gets no token and ends with "error")
+    errors: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +92,8 @@ class EngineCoreOutput:
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[Logprobs, ...] = ()
     prompt_logprobs: tuple[Logprobs, ...] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooler_output: tuple[float, ...] | None = None
+    error: str | None = None  # with finish_reason "error": what failed

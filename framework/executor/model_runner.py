@@ -249,6 +249,7 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens >= len(s.token_ids)]
         sampled: dict[str, int] = {}
         logprobs: dict[str, Logprobs] = {}
+        errors: dict[str, str] = {}
         if sample_rows:
             index = torch.as_tensor(query_start_loc[1:][sample_rows] - 1, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
@@ -261,7 +262,11 @@ class ModelRunner:
                 sampled_ids = self.communicator.broadcast(sampled_ids.to(self.device).contiguous(), src=0).cpu()
             tokens = sampled_ids.tolist()
             want = {r: self.sampling.num_logprobs(r) for r in sample_ids}
+            failed = dict(out.failed_rows)
             for row, (req_id, token) in enumerate(zip(sample_ids, tokens)):
+                if row in failed:
+                    errors[req_id] = failed[row]
+                    continue
                 sampled[req_id] = token
                 self.requests[req_id].token_ids.append(token)
                 self.sampling.append_output(req_id, token)
@@ -274,7 +279,7 @@ class ModelRunner:
                         top_token_ids=tuple(out.top_token_ids[row, :k].tolist()),
                         top_logprobs=tuple(out.top_logprobs[row, :k].tolist()),
                     )
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooler_output)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooler_output, errors)
 
     def _prompt_logprobs(self, states, query_start_loc, hidden) -> dict[str, tuple[Logprobs, ...]]:
         """Logprobs of each prompt token given its prefix, for requests that asked for them.

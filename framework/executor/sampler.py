@@ -79,6 +79,9 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [B] int64, 1 = most likely
     top_token_ids: torch.Tensor | None  # [B, k] int64, k = the batch's max_num_logprobs
     top_logprobs: torch.Tensor | None  # [B, k] float32, descending
+    #: (row, why) for rows that failed alone: a raising logits processor, no finite logit
+    #: to sample (NaN, or every token masked). Their sampled id is meaningless.
+    failed_rows: tuple[tuple[int, str], ...] = ()
 
     @property
     def rank(self) -> torch.Tensor | None:
@@ -247,9 +250,10 @@ class Sampler:
         device = logits.device
         raw = logits if logits.dtype == torch.float32 else self._ws.get("raw", num_rows, vocab, device).copy_(logits)
         work = raw
+        failed: dict[int, str] = {}
         if meta.needs_logits_edit:
             work = self._ws.get("work", num_rows, vocab, device).copy_(raw)
-            self._apply_edits(work, meta)
+            self._apply_edits(work, meta, failed)
 
         if meta.all_greedy:
             sampled = argmax_rows(work)
@@ -266,17 +270,29 @@ class Sampler:
                     x = torch.index_select(work, 0, rows, out=self._ws.get("rows", rows.numel(), vocab, device))
                 if group is None:
                     tokens = argmax_rows(x)
-                elif group is meta.plain:
-                    tokens = self._draw_plain(x, group)
                 else:
-                    tokens = self._draw_truncated(x, group)
+                    draw = self._draw_plain if group is meta.plain else self._draw_truncated
+                    try:
+                        tokens = draw(x, group)
+                    except Exception as exc:  # a bad row (NaN) must not take the others down
+                        tokens = torch.zeros(rows.numel(), dtype=torch.int64, device=device)
+                        for row in rows.tolist():
+                            failed.setdefault(row, f"sampling failed: {type(exc).__name__}: {exc}")
                 sampled[rows] = tokens
+        # A NaN row's argmax is the NaN, a fully masked row's is -inf: only such rows pick a
+        # token whose logit is NaN or -inf, so one [B] gather finds them.
+        chosen = work.gather(1, sampled.view(-1, 1)).view(-1)
+        bad = torch.isnan(chosen) | (chosen == float("-inf"))
+        if bool(bad.any()):
+            for row in bad.nonzero().view(-1).tolist():
+                failed.setdefault(row, "the logits hold no finite value to sample (NaN, or every token masked)")
+        failures = tuple(sorted(failed.items()))
 
         if meta.max_num_logprobs is None:
-            return SamplerOutput(sampled.cpu(), None, None, None, None)
+            return SamplerOutput(sampled.cpu(), None, None, None, None, failures)
         scratch = self._ws.get("tmp", num_rows, vocab, device)
         lp, rank, top_ids, top_lp = token_logprobs(raw, sampled, meta.max_num_logprobs, scratch)
-        return SamplerOutput(sampled.cpu(), lp, rank, top_ids, top_lp)
+        return SamplerOutput(sampled.cpu(), lp, rank, top_ids, top_lp, failures)
 
     def processed_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The float32 logits after steps 2-7 (what greedy rows take the argmax of).
@@ -284,13 +300,16 @@ class Sampler:
         For inspection and tests; `__call__` does the same work in a scratch buffer.
         """
         work = logits.float().clone()
-        self._apply_edits(work, meta)
+        self._apply_edits(work, meta, {})
         return work
 
     # ----- steps 3-7: rewrite logits in place -------------------------------------------
 
-    def _apply_edits(self, work: torch.Tensor, meta: SamplingMetadata) -> None:
-        """Allowed ids, min_tokens, logit_bias, user processors, penalties (in that order)."""
+    def _apply_edits(self, work: torch.Tensor, meta: SamplingMetadata, failed: dict[int, str]) -> None:
+        """Allowed ids, min_tokens, logit_bias, user processors, penalties (in that order).
+
+        A logits processor that raises fails its own row (recorded in `failed`), no other.
+        """
         # work: [B, V] float32, contiguous, ours to modify
         neg_inf = float("-inf")
         if meta.allowed_rows is not None:
@@ -304,9 +323,12 @@ class Sampler:
             work.index_put_((meta.bias_rows, meta.bias_tokens), meta.bias_values, accumulate=True)
         for row, processors, output_ids in meta.logits_processors:
             logits_row = work[row]
-            for proc in processors:
-                logits_row = proc(output_ids, logits_row)
-            work[row] = logits_row
+            try:
+                for proc in processors:
+                    logits_row = proc(output_ids, logits_row)
+                work[row] = logits_row
+            except Exception as exc:
+                failed[row] = f"logits processor {type(proc).__name__} raised {type(exc).__name__}: {exc}"
         if meta.penalties is not None:
             self._apply_penalties(work, meta.penalties)
 

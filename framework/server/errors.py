@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from portaserve.framework.errors import EngineDeadError, InvalidParameterError
+from portaserve.framework.errors import EngineDeadError, InvalidParameterError, RequestFailedError
 
 logger = logging.getLogger("portaserve.server")
 
@@ -67,6 +67,9 @@ def classify(exc: BaseException) -> tuple[int, str, str | None]:
         return 400, str(exc), exc.param
     if isinstance(exc, EngineDeadError):
         return 500, f"the engine is dead: {first_line(str(exc))}", None
+    if isinstance(exc, RequestFailedError):
+        logger.warning("a request failed in the engine: %s", exc)
+        return 500, f"the request failed in the engine: {first_line(str(exc))}", None
     if isinstance(exc, (ValueError, OverflowError)):
         return 400, first_line(str(exc)) or type(exc).__name__, None
     logger.error("internal error", exc_info=exc)

@@ -230,3 +230,20 @@ def test_n_sequences_that_cannot_fit_the_kv_cache_together_are_refused(folder):
         assert_all_blocks_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_a_request_failing_in_the_engine_fails_alone(llm):
+    def boom(output_ids, logits):
+        if len(output_ids) == 2:
+            raise ValueError("boom")
+        return logits
+
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([6, 9, 12], seed=21)]
+    params = [greedy(6, logits_processors=[boom]), greedy(6), greedy(6, logits_processors=[lambda ids, row: row * float("nan")])]
+    failed, healthy, nan = llm.generate(prompts, params, use_tqdm=False)
+    assert failed.error and "boom" in failed.error and failed.outputs[0].finish_reason == "error"
+    assert len(failed.outputs[0].token_ids) == 2  # what it made before the fault
+    assert healthy.error is None and len(healthy.outputs[0].token_ids) == 6
+    assert healthy.outputs[0].token_ids == token_ids(llm.generate([prompts[1]], greedy(6), use_tqdm=False))[0]
+    assert nan.error and "no finite value" in nan.error
+    assert_all_blocks_free(llm)
