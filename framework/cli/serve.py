@@ -85,6 +85,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("uvicorn_log_level", "uvicorn's log level", _SERVER, default="info",
          choices=("critical", "error", "warning", "info", "debug", "trace")),
     Flag("disable_uvicorn_access_log", "do not log every HTTP request", _SERVER, kind="switch"),
+    Flag("enable_admin_api", "serve the admin routes: /v1/update_weights (reads a server-side folder), "
+         "/v1/init_weight_update_group and /v1/update_weights_from_distributed (join a trainer's process group), "
+         "/sleep, /wake_up; off by default (they answer 404)", _SERVER, kind="switch"),
+    Flag("weight_update_allowed_addresses", "addresses or CIDR networks a weight-update group may connect to "
+         "(with --enable-admin-api; default none)", _SERVER, kind="list", metavar="ADDRESS"),
     # ----- the engine (EngineConfig fields)
     Flag("device", "'auto' (the best available platform; PORTASERVE_DEVICE when set) or a platform name: "
          "cpu, cuda, rocm, xpu, tpu, or a plugin's"),
@@ -263,6 +268,8 @@ def server_settings(args: argparse.Namespace) -> "Any":
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         trust_request_chat_template=args.trust_request_chat_template,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        enable_admin_api=args.enable_admin_api,
+        weight_update_allowed_addresses=tuple(args.weight_update_allowed_addresses or ()),
         limits=RequestLimits(**{flag.dest: getattr(args, flag.dest) for flag in _limit_flags()}),
     )
 

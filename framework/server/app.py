@@ -232,7 +232,9 @@ def create_app(
     async def generate(request: GenerateRequest, raw: Request):
         return await tokens.generate(request, raw)
 
-    weights_routes.install(app)  # live weight updates, sleep / wake, the X-Weights-Version header
+    # the X-Weights-Version header; the admin routes (weight updates, sleep / wake) only
+    # with --enable-admin-api
+    weights_routes.install(app, admin=settings.enable_admin_api)
 
     app.add_middleware(GatewayMiddleware, state=state)
     app.add_middleware(

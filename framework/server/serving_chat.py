@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -164,20 +165,16 @@ class ChatService:
                 raise invalid("tool_choice", f"names the function {forced!r}, which is not in tools ({', '.join(names)})")
             if state.tool_parser_cls is None:
                 raise invalid("tool_choice", "a named tool choice needs the server to run with --tool-call-parser")
-        template = settings.chat_template
-        if req.chat_template is not None:
-            if not settings.trust_request_chat_template:
-                raise invalid("chat_template", "per-request chat templates are disabled; start the server with --trust-request-chat-template")
-            template = req.chat_template
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         if req.documents is not None:
             kwargs.setdefault("documents", req.documents)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt_text = tokenizer.apply_chat_template(
+        prompt_text = state.render_chat(
+            tokenizer,
             req.messages,
-            chat_template=template,
+            request_template=req.chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=tools,
@@ -207,7 +204,10 @@ class ChatService:
         return await until_disconnected(raw, self._create(req, raw))
 
     async def _create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        plan = self.plan(req, raw)
+        if req.chat_template is not None:  # renders in another process, up to --chat-template-timeout
+            plan = await asyncio.to_thread(self.plan, req, raw)
+        else:
+            plan = self.plan(req, raw)
         state = self.state
         span = state.tracer.start(
             "chat.completions", raw.headers, **{

@@ -4,6 +4,8 @@ RL trainers and disaggregated callers that do their own text processing."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,17 +60,13 @@ class TokenService:
             raise invalid("prompt", "give exactly one of prompt (text) and messages (a conversation)")
         if req.messages is not None:
             state.settings.limits.check_chat(req)
-            template = state.settings.chat_template
-            if req.chat_template is not None:
-                if not state.settings.trust_request_chat_template:
-                    raise invalid("chat_template", "per-request chat templates are disabled; start the server with --trust-request-chat-template")
-                template = req.chat_template
-            text = tok.apply_chat_template(
-                req.messages, chat_template=template, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
+            render = functools.partial(
+                state.render_chat, tok, req.messages, request_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
                 tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
                 chat_template_kwargs=req.chat_template_kwargs,
             )
+            text = await asyncio.to_thread(render) if req.chat_template is not None else render()
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

@@ -38,6 +38,10 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     trust_request_chat_template: bool = False
     otlp_traces_endpoint: str | None = None
+    #: Serve the admin routes (weight updates, weight-update groups, sleep / wake).
+    enable_admin_api: bool = False
+    #: Addresses (or CIDR networks) a weight-update group may connect to.
+    weight_update_allowed_addresses: tuple[str, ...] = ()
     #: Bounds on every size a request supplies (see limits.py).
     limits: RequestLimits = field(default_factory=RequestLimits)
     registry: Any = field(default=None, compare=False)  # a PluginRegistry for the parsers (tests)
@@ -69,6 +73,7 @@ class ServerState:
         self.spec = spec
         self.metrics: ServerMetrics | None = None
         self.tracer = Tracer()
+        self._template_renderer = None  # started on the first request-supplied chat template
         self.reasoning_parser_cls = get_reasoning_parser(settings.reasoning_parser, settings.registry) if settings.reasoning_parser else None
         self.tool_parser_cls = get_tool_parser(settings.tool_call_parser, settings.registry) if settings.tool_call_parser else None
         if spec is not None:
@@ -87,6 +92,24 @@ class ServerState:
     @property
     def model_names(self) -> list[str]:
         return self.model_names_for(self.spec)
+
+    def render_chat(self, tokenizer: Any, messages: Any, *, request_template: str | None, **kwargs: Any) -> str:
+        """A chat prompt's text: the server's or model's template in this process, a
+        request's own template (with --trust-request-chat-template only) in a worker
+        process stopped after --chat-template-timeout."""
+        if request_template is None:
+            return tokenizer.apply_chat_template(messages, chat_template=self.settings.chat_template, **kwargs)
+        if not self.settings.trust_request_chat_template:
+            raise invalid("chat_template", "per-request chat templates are disabled; start the server with "
+                          "--trust-request-chat-template")
+        if self._template_renderer is None:
+            from portaserve.framework.server.template_renderer import IsolatedTemplateRenderer
+
+            self._template_renderer = IsolatedTemplateRenderer()
+        return self._template_renderer.render(
+            self.settings.limits.chat_template_timeout, template=request_template, messages=messages,
+            bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, **kwargs,
+        )
 
     def attach(self, engine: Any) -> None:
         """The engine has started: routes may use it from now on."""

@@ -12,7 +12,9 @@ Requests already running when an update or sleep arrives finish on the old weigh
 requests sent meanwhile wait and run on the new ones (while asleep they are rejected).
 Each successful update raises the weights version `/v1/models` reports. A bad update
 answers 400 in OpenAI's error shape, naming the tensor, and the old weights keep serving.
-The API key applies here as on every route but /health (the gateway middleware).
+The API key applies here as on every route but /health (the gateway middleware). The
+routes exist only with `--enable-admin-api`: they read server-side paths, connect to a
+trainer's address (which must be in `--weight-update-allowed-addresses`) and stop serving.
 """
 
 from __future__ import annotations
@@ -66,10 +68,39 @@ class WeightsVersionMiddleware:
             _request_weights_version.reset(token)
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes and the weights-version header to the server."""
-    app.include_router(router)
+def install(app: FastAPI, admin: bool) -> None:
+    """Add the weights-version header to the server, and these routes when `admin`
+    (`--enable-admin-api`): without it they do not exist (404)."""
+    if admin:
+        app.include_router(router)
     app.add_middleware(WeightsVersionMiddleware)
+
+
+def check_group_address(settings: Any, address: str) -> None:
+    """A trainer's process-group address must be one the operator allowed
+    (`--weight-update-allowed-addresses`): the server connects to it, so an arbitrary
+    request-supplied address would be a server-side request forgery.
+
+    :raises InvalidParameterError: on `master_address`, naming the allowed ones.
+    """
+    import ipaddress
+
+    from portaserve.framework.errors import invalid
+
+    allowed = tuple(settings.weight_update_allowed_addresses)
+    for entry in allowed:
+        if address == entry:
+            return
+        try:
+            if ipaddress.ip_address(address) in ipaddress.ip_network(entry, strict=False):
+                return
+        except ValueError:  # a host name, or an entry that is not a network
+            continue
+    raise invalid(
+        "master_address",
+        f"{address!r} is not an allowed weight-update address; allowed: {list(allowed) or 'none'} "
+        "(start the server with --weight-update-allowed-addresses ADDRESS|CIDR ...)",
+    )
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -108,6 +139,7 @@ async def update_weights(body: UpdateWeightsRequest, raw: Request):
 
 @router.post("/v1/init_weight_update_group")
 async def init_weight_update_group(body: InitWeightUpdateGroupRequest, raw: Request):
+    check_group_address(raw.app.state.portaserve.settings, body.master_address)
     return await _call(raw, "init_weight_update_group", body.master_address, body.master_port, body.rank_offset,
                        body.world_size, body.timeout_s)
 

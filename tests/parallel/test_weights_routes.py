@@ -26,7 +26,8 @@ PROMPT = prompts_of([24], seed=11)[0]
 @pytest.fixture(scope="module")
 def srv(checkpoint):
     config = EngineConfig.create(model=checkpoint(ARCH, 0), **ENGINE_KW)
-    with ServerThread(config, ServerSettings(api_keys=(KEY,))) as server:
+    settings = ServerSettings(api_keys=(KEY,), enable_admin_api=True, weight_update_allowed_addresses=("127.0.0.0/8",))
+    with ServerThread(config, settings) as server:
         yield server
 
 
@@ -110,3 +111,12 @@ def test_sleep_and_wake_up_routes(http, reference_ids):
     assert r.status_code == 200 and r.json()["kv_cache_bytes"] == released["kv_cache_bytes"]
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert _generate(http) == before
+
+
+def test_a_weight_update_group_address_must_be_allowed(http):
+    for address in ("169.254.169.254", "10.1.2.3", "metadata.internal"):
+        r = http.post("/v1/init_weight_update_group", json={"master_address": address, "master_port": 29999,
+                                                            "world_size": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "master_address" and "--weight-update-allowed-addresses" in error["message"]

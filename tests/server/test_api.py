@@ -545,3 +545,17 @@ def test_vllm_sampling_extras_reach_the_sampler(client):
     r = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
                                   extra_body={"min_tokens": 6, "ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.0})
     assert r.usage.completion_tokens == 6
+
+
+ADMIN_ROUTES = [("POST", "/v1/update_weights", {"path": "/etc"}),
+                ("POST", "/v1/init_weight_update_group", {"master_address": "10.0.0.1", "master_port": 1, "world_size": 2}),
+                ("POST", "/v1/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}),
+                ("POST", "/v1/destroy_weight_update_group", None), ("GET", "/v1/weights_info", None),
+                ("POST", "/sleep", None), ("POST", "/wake_up", None), ("GET", "/is_sleeping", None)]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ADMIN_ROUTES, ids=[r[1] for r in ADMIN_ROUTES])
+def test_admin_routes_are_404_without_enable_admin_api(http, method, path, body):
+    r = http.request(method, path, json=body)
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == 404

@@ -20,7 +20,7 @@ from server_harness import ServerThread
 LIMITS = RequestLimits(max_n=4, max_prompts=3, max_sequences=6, max_stop_strings=2, max_stop_string_chars=8,
                        max_logit_bias=2, max_stop_token_ids=2, max_tools=1, max_tools_bytes=400, max_messages=3,
                        max_embedding_inputs=2, max_token_ids=40, max_prompt_logprob_entries=30,
-                       max_chat_template_kwargs_bytes=40, max_chat_template_bytes=200)
+                       max_chat_template_kwargs_bytes=40, max_chat_template_bytes=200, chat_template_timeout=2.0)
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -119,3 +119,19 @@ def test_every_limit_is_a_serve_flag_with_its_default_in_help():
         assert f"(default: {default})" in after[:400], flag
     limits = server_settings(parser.parse_args(["serve", "--max-n", "7", "--max-token-ids", "99"])).limits
     assert limits.max_n == 7 and limits.max_token_ids == 99 and limits.max_prompts == RequestLimits().max_prompts
+
+
+def test_a_request_template_that_renders_too_long_is_stopped(http):
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}x"
+    start = time.monotonic()
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template": endless, "max_tokens": 2})
+    elapsed = time.monotonic() - start
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "chat_template" and "--chat-template-timeout" in error["message"]
+    assert elapsed < LIMITS.chat_template_timeout + 10
+    # the next request-supplied template renders in a fresh worker
+    ok = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}!"})
+    assert ok.status_code == 200 and ok.json()["count"] >= 1
+    bad = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "{{ messages.append(1) }}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
