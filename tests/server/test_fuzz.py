@@ -46,22 +46,23 @@ def schemathesis_cli() -> list[str]:
 
 def fuzz(srv, tmp_path: Path, with_key: bool) -> list[dict]:
     """Run schemathesis; returns the recorded exchanges (its HAR-like ndjson report)."""
-    report = tmp_path / ("with-key" if with_key else "without-key")
+    report = tmp_path / ("with-key.har" if with_key else "without-key.har")
+    # the schema itself is behind the key: fetch it once, fuzz the server with or without it
+    schema = tmp_path / "openapi.json"
+    schema.write_text(httpx.get(srv.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).text)
     cmd = schemathesis_cli() + [
-        "--no-color", "run", srv.url + "/openapi.json",
+        "--no-color", "run", str(schema), "--url", srv.url,
         "--checks", "not_a_server_error",
         "--max-time", str(FUZZ_SECONDS), "--workers", "2", "--request-timeout", "60",
-        "--report", "har", "--report-dir", str(report), "--suppress-health-check", "all",
-        "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
+        "--report", "har", "--report-har-path", str(report), "--suppress-health-check", "all",
+        # (its "coverage" phase crashed inside schemathesis 4.32: an AST recursion SystemError)
+        "--phases", "examples,fuzzing", "--generation-database", "none",
     ]
     if with_key:
         cmd += ["-H", f"Authorization: Bearer {KEY}"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=FUZZ_SECONDS * 4 + 120)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    entries = []
-    for file in report.glob("*.har"):
-        entries += json.loads(file.read_text())["log"]["entries"]
-    return entries
+    return json.loads(report.read_text())["log"]["entries"]
 
 
 def check_exchanges(entries: list[dict]) -> None:
