@@ -40,6 +40,7 @@ from portaserve.framework.server.serving_embedding import EmbeddingService
 from portaserve.framework.server.serving_tokens import TokenService
 from portaserve.framework.server.state import ServerSettings, ServerState
 from portaserve.framework.server import weights_routes
+from portaserve.framework.server.openapi import honest_openapi
 
 logger = logging.getLogger("portaserve.server")
 
@@ -236,6 +237,17 @@ def create_app(
     # with --enable-admin-api
     weights_routes.install(app, admin=settings.enable_admin_api)
 
+    plain_openapi = app.openapi
+
+    def openapi() -> dict:
+        # once: the pydantic-derived schema plus this server's limits and model names
+        if app.openapi_schema is None:
+            spec = state.spec
+            honest_openapi(plain_openapi(), settings.limits, state.model_names, getattr(spec, "max_model_len", None),
+                           getattr(spec, "vocab_size", None) or None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(GatewayMiddleware, state=state)
     app.add_middleware(
         CORSMiddleware,

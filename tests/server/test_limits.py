@@ -135,3 +135,16 @@ def test_a_request_template_that_renders_too_long_is_stopped(http):
     assert ok.status_code == 200 and ok.json()["count"] >= 1
     bad = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "{{ messages.append(1) }}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+
+
+def test_the_openapi_schema_states_the_limits_and_the_model_names(http):
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["model"]["anyOf"][0]["enum"] == ["tiny"]
+    n = next(b for b in chat["n"].get("anyOf", [chat["n"]]) if b.get("type") == "integer")
+    assert n["maximum"] == LIMITS.max_n and n["minimum"] == 1
+    assert next(b for b in chat["messages"].get("anyOf", [chat["messages"]]) if b.get("type") == "array")["maxItems"] == 3
+    stop = {b.get("type"): b for b in chat["stop"]["anyOf"]}
+    assert stop["string"]["maxLength"] == 8 and stop["array"]["maxItems"] == 2
+    generate = schemas["GenerateRequest"]["properties"]["token_ids"]
+    assert generate["maxItems"] == LIMITS.max_token_ids and generate["items"]["maximum"] > 0
