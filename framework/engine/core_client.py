@@ -14,7 +14,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import tempfile
 import threading
 import time
@@ -28,7 +27,24 @@ from portaserve.framework.engine.outputs import EmbeddingRequestOutput, RequestO
 from portaserve.framework.engine.params import PoolingParams, SamplingParams
 from portaserve.framework.engine.processor import InputProcessor
 from portaserve.framework.engine.startup import EngineSpec, resolve_engine
-from portaserve.framework.errors import EngineDeadError, RequestFailedError, invalid
+from portaserve.framework.errors import EngineDeadError, InvalidParameterError, RequestFailedError, invalid
+from portaserve.framework.wire import WireError, decode, encode
+
+from .core_messages import (
+    Abort,
+    AddRequests,
+    Dead,
+    Finish,
+    FromCore,
+    Outputs,
+    Ready,
+    Rejected,
+    Result,
+    Shutdown,
+    call_message,
+    rebuild_error,
+    result_value,
+)
 
 logger = logging.getLogger("portaserve")
 
@@ -47,7 +63,7 @@ class AsyncLLM:
         self.ready = False
         self.dead_reason: str | None = None
         self.num_blocks = 0
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[str, asyncio.Future]] = {}  # call id -> (method, its future)
         self._call_ids = itertools.count()
         self._ids = itertools.count()
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -105,7 +121,7 @@ class AsyncLLM:
         err = EngineDeadError(self.dead_reason)
         for q in self.queues.values():
             q.put_nowait(err)
-        for fut in self._calls.values():
+        for _, fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
@@ -121,7 +137,7 @@ class AsyncLLM:
         try:
             if self._proc is not None and self._proc.is_alive():
                 if self.dead_reason is None:  # a dead core is exiting already: just wait
-                    await self._send(("shutdown",))
+                    await self._send(encode(Shutdown()))
                 await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
                 if self._proc.is_alive():
                     self._proc.kill()
@@ -136,10 +152,11 @@ class AsyncLLM:
 
     # ----- the output loop ------------------------------------------------------------
 
-    async def _send(self, msg: tuple) -> None:
+    async def _send(self, data: bytes) -> None:
+        """One encoded message (core_messages.py) to the engine core."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        await self._to_core.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        await self._to_core.send(data)
 
     async def _read_outputs(self) -> None:
         while True:
@@ -151,43 +168,50 @@ class AsyncLLM:
                 if self.dead_reason is None:
                     self._mark_dead(f"lost the engine connection: {exc}")
                 return
-            msg = pickle.loads(raw)
-            kind = msg[0]
-            if kind == "outputs":
-                self.latest_stats = msg[2]
-                self._dispatch(msg[1])
+            try:
+                msg = decode(raw, FromCore)
+            except WireError as exc:
+                self._mark_dead(f"the engine core sent a malformed message: {exc}")
+                return
+            if isinstance(msg, Outputs):
+                self.latest_stats = msg.stats
+                self._dispatch(msg.outputs)
                 for listener in self._stats_listeners:
-                    listener(msg[2], msg[1])
-            elif kind == "ready":
-                self.num_blocks = msg[1]["num_blocks"]
+                    listener(msg.stats, msg.outputs)
+            elif isinstance(msg, Ready):
+                self.num_blocks = msg.num_blocks
                 self.ready = True
                 self._ready_event.set()
-            elif kind == "result":
-                _, call_id, ok, value = msg
-                fut = self._calls.pop(call_id, None)
-                if ok and isinstance(value, dict) and "weights_version" in value:
+            elif isinstance(msg, Result):
+                method, fut = self._calls.pop(msg.call_id, (None, None))
+                if fut is None or fut.done():
+                    continue
+                if not msg.ok:
+                    fut.set_exception(rebuild_error(msg.error) if msg.error is not None else RuntimeError("call failed"))
+                    continue
+                try:
+                    value = result_value(msg, method)
+                except WireError as exc:
+                    fut.set_exception(RuntimeError(f"{method}: {exc}"))
+                    continue
+                if isinstance(value, dict) and "weights_version" in value:
                     # before any later output is dispatched: those ran on the new weights
                     self.output_processor.weights_version = int(value["weights_version"])
-                if fut is not None and not fut.done():
-                    if ok:
-                        fut.set_result(value)
-                    else:
-                        fut.set_exception(value if isinstance(value, BaseException) else RuntimeError(str(value)))
-            elif kind == "rejected":
-                _, req_id, message = msg
-                parent = self.output_processor.child_to_parent.get(req_id)
+                fut.set_result(value)
+            elif isinstance(msg, Rejected):
+                parent = self.output_processor.child_to_parent.get(msg.request_id)
                 if parent is not None:
                     q = self.queues.get(parent.request_id)
                     if q is not None:
-                        q.put_nowait(invalid("request", message))
-            elif kind == "dead":
-                self._mark_dead(msg[1])
+                        q.put_nowait(InvalidParameterError(msg.param or "request", msg.message))
+            elif isinstance(msg, Dead):
+                self._mark_dead(msg.message)
                 return
 
     def _dispatch(self, core_outputs: list) -> None:
         outputs, to_finish = self.output_processor.process_outputs(core_outputs)
         if to_finish:
-            asyncio.ensure_future(self._send(("finish", to_finish)))
+            asyncio.ensure_future(self._send(encode(Finish(to_finish))))
         for out in outputs:
             q = self.queues.get(out.request_id)
             if q is not None:
@@ -219,7 +243,7 @@ class AsyncLLM:
         self.output_processor.add_request(processed)
         finished = False
         try:
-            await self._send(("add", list(processed.children)))
+            await self._send(encode(AddRequests(list(processed.children))))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -239,14 +263,15 @@ class AsyncLLM:
             return
         self.output_processor.abort_request(request_id)
         if self.dead_reason is None:
-            await self._send(("abort", children))
+            await self._send(encode(Abort(list(children))))
 
     async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Run an EngineCore utility method in the engine process and return its result."""
-        fut = asyncio.get_running_loop().create_future()
         call_id = next(self._call_ids)
-        self._calls[call_id] = fut
-        await self._send(("call", call_id, method, args))
+        data = call_message(call_id, method, args)  # an unknown method or unencodable arguments fail here
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (method, fut)
+        await self._send(data)
         return await asyncio.wait_for(fut, timeout)
 
     def num_in_flight(self) -> int:

@@ -50,6 +50,10 @@ class EngineSpec:
 
 def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> EngineSpec:
     """Resolve plugins, platform, checkpoint and plan for `config`."""
+    if config.nnodes > 1:  # no default secret: refuse to start before anything loads
+        from portaserve.framework.executor.multinode import cluster_key
+
+        cluster_key()
     registry = registry or get_registry(strict=config.strict_plugins or None)
     choice = choose_platform(registry, config.device, strict=config.strict_plugins or None)  # None: PORTASERVE_STRICT_PLUGINS decides
     model_path, default_name = _model_location(config)

@@ -10,19 +10,21 @@ Two channels, both opened at node 0's `--master-addr`:
 
 - the model's collectives: every rank joins the Communicator's process group at
   `tcp://master_addr:master_port` (gloo, nccl, ... — the platform's choice);
-- control: each remote rank connects to node 0's driver at `master_port + 1` (an
-  authenticated `multiprocessing.connection`), says which rank it is, receives the
+- control: each remote rank connects to node 0's driver at `master_port + 1`; both
+  sides prove they know `PORTASERVE_CLUSTER_KEY` (an HMAC-SHA256 challenge each way,
+  wire.handshake) before either reads a message; the rank says which it is, receives the
   driver's EngineSpec (the ExecutionPlan is never re-resolved on another node) and then
-  answers the same (method, args) calls — each step's SchedulerOutput — that local
-  workers get over their pipes.
+  answers the same typed calls (worker_messages.py: each step's SchedulerOutput) that
+  local workers get over their pipes. Messages are msgspec, never pickle: a forged one
+  is at most a malformed message.
 
 Control goes over sockets rather than a CPU process group because the driver must never
 block in a collective: it waits on every rank's connection and every local process at
 once, so a rank that dies on any node (its socket closes) fails the engine with the
-rank within a poll interval. The connections are authenticated with
-`PORTASERVE_CLUSTER_KEY` (set the same value on every node; a fixed default is used when
-unset, which only suits trusted networks), and the model folder must exist at the same
-path on every node.
+rank within a poll interval. `PORTASERVE_CLUSTER_KEY` must be set, to the same secret,
+on every node: without it neither side starts. The listener binds `--master-addr` only.
+torch.distributed's own ports (the collectives) are not authenticated: keep the nodes
+on a private network. The model folder must exist at the same path on every node.
 """
 
 from __future__ import annotations
@@ -37,19 +39,35 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from portaserve.framework.errors import EngineDeadError
+from portaserve.framework.wire import WireError, decode, encode, handshake
+
+from .worker_messages import Handshake, Hello, Init, Reject, recv
 
 logger = logging.getLogger("portaserve")
 
 DEFAULT_MASTER_PORT = 29500
 #: How long node 0 waits for the other nodes' ranks to connect, and they for node 0 (seconds).
 CONNECT_TIMEOUT_S = float(os.environ.get("PORTASERVE_NODE_CONNECT_TIMEOUT", "600"))
-_DEFAULT_KEY = b"portaserve-cluster"
+#: Shortest shared secret accepted (bytes).
+MIN_KEY_BYTES = 16
 
 
 def cluster_key() -> bytes:
-    """The shared secret the control connections authenticate with."""
-    value = os.environ.get("PORTASERVE_CLUSTER_KEY", "")
-    return value.encode() if value else _DEFAULT_KEY
+    """The shared secret the control connections authenticate with (PORTASERVE_CLUSTER_KEY).
+
+    :raises InvalidParameterError: it is unset or too short: there is no default.
+    """
+    from portaserve.framework.errors import invalid
+
+    value = os.environ.get("PORTASERVE_CLUSTER_KEY", "").encode()
+    if len(value) < MIN_KEY_BYTES:
+        raise invalid(
+            "PORTASERVE_CLUSTER_KEY",
+            f"multi-node runs need a shared secret of at least {MIN_KEY_BYTES} bytes in PORTASERVE_CLUSTER_KEY, the same "
+            f"on every node ({'unset' if not value else f'got {len(value)} bytes'}); for example "
+            "`export PORTASERVE_CLUSTER_KEY=$(python -c 'import secrets; print(secrets.token_hex(32))')`",
+        )
+    return value
 
 
 def master_port(config: Any) -> int:
@@ -81,7 +99,8 @@ class RemoteRanks:
     def __init__(self, config: Any) -> None:
         self.config = config
         host, port = control_address(config)
-        self.listener = Listener((host, port), authkey=cluster_key())
+        self.key = cluster_key()
+        self.listener = Listener((host, port))  # authenticated by wire.handshake, per connection
         self.expected = [r for node in range(1, config.nnodes) for r in node_ranks(config, node)]
         self._accepted: queue.Queue = queue.Queue()
         threading.Thread(target=self._accept, name="portaserve-node-accept", daemon=True).start()
@@ -93,10 +112,18 @@ class RemoteRanks:
                 conn = self.listener.accept()
             except OSError:  # closed: every rank has arrived, or startup failed
                 return
-            except Exception as exc:  # a wrong cluster key, a port scanner: keep listening
-                logger.warning("refused a control connection: %s: %s", type(exc).__name__, exc)
-                continue
-            self._accepted.put(conn)
+            # each connection proves the key in its own thread: a silent or slow peer
+            # (a port scanner) cannot hold up the ranks behind it
+            threading.Thread(target=self._authenticate, args=(conn,), daemon=True).start()
+
+    def _authenticate(self, conn: Connection) -> None:
+        try:
+            handshake(conn, self.key, initiator=False)
+        except (WireError, OSError, EOFError) as exc:
+            logger.warning("refused a control connection: %s", exc)
+            conn.close()
+            return
+        self._accepted.put(conn)
 
     def connect(self, spec: Any, init_method: str, local_alive) -> dict[int, Connection]:
         """Wait until every remote rank has connected, and send each its EngineSpec.
@@ -123,17 +150,21 @@ class RemoteRanks:
                 if not conn.poll(30):
                     conn.close()
                     continue
-                hello = conn.recv()
-                rank = hello[1] if isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello" else None
-                if rank not in self.expected or rank in remote:
-                    why = f"rank {rank!r} is not expected (expected {self.expected}, connected {sorted(remote)})"
-                    conn.send(("reject", why))
+                try:
+                    hello = decode(recv(conn), Hello)
+                except (WireError, OSError, EOFError) as exc:
+                    logger.warning("refused a node: %s", exc)
+                    conn.close()
+                    continue
+                if hello.rank not in self.expected or hello.rank in remote:
+                    why = f"rank {hello.rank!r} is not expected (expected {self.expected}, connected {sorted(remote)})"
+                    conn.send_bytes(encode(Reject(why)))
                     conn.close()
                     logger.warning("refused a node: %s", why)
                     continue
-                conn.send(("init", spec, self.config.tensor_parallel_size, init_method))
-                remote[rank] = conn
-                logger.info("rank %d connected from %s", rank, hello[2])
+                conn.send_bytes(encode(Init(spec, self.config.tensor_parallel_size, init_method)))
+                remote[hello.rank] = conn
+                logger.info("rank %d connected from %s", hello.rank, hello.host)
         finally:
             self.listener.close()
         return remote
@@ -150,19 +181,24 @@ def remote_worker_main(address: tuple[str, int], key: bytes, rank: int, local_ra
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:
         try:
-            conn = Client(address, authkey=key)
+            conn = Client(address)
             break
         except (ConnectionRefusedError, ConnectionResetError, OSError):
             if time.monotonic() > deadline:
                 raise SystemExit(f"rank {rank}: node 0's driver at {address[0]}:{address[1]} did not answer "
                                  f"within {CONNECT_TIMEOUT_S:.0f}s")
             time.sleep(0.5)
-    conn.send(("hello", rank, socket.gethostname()))
-    msg = conn.recv()
-    if msg[0] != "init":
-        raise SystemExit(f"rank {rank}: node 0 refused this rank: {msg[1]}")
-    _, spec, world_size, init_method = msg
-    _worker_main(spec, rank, world_size, local_rank, init_method, conn)
+    try:
+        handshake(conn, key, initiator=True)
+        conn.send_bytes(encode(Hello(rank, socket.gethostname())))
+        msg = decode(recv(conn), Handshake)
+    except (WireError, OSError, EOFError) as exc:
+        raise SystemExit(f"rank {rank}: could not join node 0's driver at {address[0]}:{address[1]}: {exc}") from None
+    if isinstance(msg, Reject):
+        raise SystemExit(f"rank {rank}: node 0 refused this rank: {msg.reason}")
+    if not isinstance(msg, Init):
+        raise SystemExit(f"rank {rank}: node 0 sent {type(msg).__name__} instead of Init")
+    _worker_main(msg.spec, rank, msg.world_size, local_rank, msg.init_method, conn)
 
 
 def run_headless(config: Any) -> int:

@@ -1,8 +1,9 @@
 """`MultiprocExecutor`: one spawned worker process per tensor-parallel rank.
 
 The driver (the engine core) sends each step's SchedulerOutput to every worker over a
-pipe and waits for all of them (rank 0's reply carries the output); ranks talk to each
-other only through the platform's Communicator. A worker that dies, or raises, fails the
+pipe, as a typed message (worker_messages.py; never pickle), and waits for all of them
+(rank 0's reply carries the output); ranks talk to each other only through the
+platform's Communicator. A worker that dies, or raises, fails the
 engine with its rank and error within one poll interval; nothing hangs.
 """
 
@@ -20,8 +21,10 @@ from typing import Any
 from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.errors import EngineDeadError
+from portaserve.framework.wire import WireError
 
 from .executor import Executor
+from .worker_messages import call_bytes, error_bytes, read_call, read_reply, recv, reply_bytes
 
 logger = logging.getLogger("portaserve")
 
@@ -38,29 +41,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _worker_main(spec: EngineSpec, rank: int, world_size: int, local_rank: int, init_method: str, conn: Connection) -> None:
-    """Worker process: build the Worker, then answer (method, args) calls until told to stop."""
+    """Worker process: build the Worker, then answer typed calls (worker_messages.py)
+    until told to stop. A malformed call gets an error reply; nothing else runs."""
     from .worker import Worker, WorkerRank
 
     try:
         worker = Worker(spec, WorkerRank(rank, world_size, local_rank, init_method))
         worker.load_model()
-        conn.send(("ok", None))
+        conn.send_bytes(reply_bytes("load_model", None))
     except BaseException as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.send_bytes(error_bytes(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     while True:
         try:
-            method, args = conn.recv()
+            data = recv(conn)
         except EOFError:
             break
+        try:
+            method, args = read_call(data)
+        except WireError as exc:
+            conn.send_bytes(error_bytes(f"refused a call: {exc}"))
+            continue
         if method == "shutdown":
             worker.shutdown()
-            conn.send(("ok", None))
+            conn.send_bytes(reply_bytes(method, None))
             break
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
+            conn.send_bytes(reply_bytes(method, getattr(worker, method)(*args)))
         except BaseException as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn.send_bytes(error_bytes(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 class MultiprocExecutor(Executor):
@@ -103,12 +112,12 @@ class MultiprocExecutor(Executor):
                 for rank in range(num_local, self.world_size):
                     self.procs.append(None)
                     self.conns.append(conns[rank])
-            self._collect()  # every worker built its model
+            self._collect("load_model")  # every worker built its model
         except BaseException:
             self.shutdown()
             raise
 
-    def _collect(self) -> list[Any]:
+    def _collect(self, method: str) -> list[Any]:
         """Wait for one reply per worker, failing fast if any worker dies or errors.
 
         When a rank dies, its peers usually fail too (their collective loses a member),
@@ -132,7 +141,10 @@ class MultiprocExecutor(Executor):
                 if conn in ready or conn.poll():
                     pending.discard(r)
                     try:
-                        status, value = conn.recv()
+                        ok, value = read_reply(recv(conn), method)
+                    except WireError as exc:
+                        raised[r] = f"an unreadable reply: {exc}"
+                        continue
                     except (EOFError, OSError):
                         if proc is None:
                             died[r] = "the connection to this rank on another node closed (the worker died?)"
@@ -140,7 +152,7 @@ class MultiprocExecutor(Executor):
                             proc.join(0.5)
                             died[r] = f"worker exited (code {proc.exitcode})"
                         continue
-                    if status == "error":
+                    if not ok:
                         raised[r] = value
                     else:
                         results[r] = value
@@ -166,13 +178,14 @@ class MultiprocExecutor(Executor):
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        data = call_bytes(method, args)  # encoded once for every rank
         for r, conn in enumerate(self.conns):
             try:
-                conn.send((method, args))
+                conn.send_bytes(data)
             except (BrokenPipeError, OSError):
                 proc = self.procs[r]
                 self._fail(r, f"worker is gone (exit code {proc.exitcode if proc is not None else 'unknown, remote'})")
-        return self._collect()
+        return self._collect(method)
 
     def determine_num_blocks(self) -> int:
         return min(self._call_all("determine_num_blocks"))
@@ -193,10 +206,11 @@ class MultiprocExecutor(Executor):
                 self._fail(r, f"worker process died (exit code {proc.exitcode})")
 
     def shutdown(self) -> None:
+        goodbye = call_bytes("shutdown", ())
         for conn, proc in zip(self.conns, self.procs):
             if proc is None or proc.is_alive():
                 try:
-                    conn.send(("shutdown", ()))
+                    conn.send_bytes(goodbye)
                 except (BrokenPipeError, OSError):
                     pass
         for proc in self.procs:

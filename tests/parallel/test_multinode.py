@@ -31,13 +31,13 @@ def _start_node(node_rank: int, nnodes: int, tp: int, port: int, cli: bool = Fal
     entry = ["portaserve.framework.cli.serve", "--headless"] if cli else ["portaserve.framework.executor.multinode"]
     cmd = [sys.executable, "-m", *entry, "--nnodes", str(nnodes), "--node-rank",
            str(node_rank), "--tensor-parallel-size", str(tp), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTASERVE_CLUSTER_KEY": "test-cluster"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTASERVE_CLUSTER_KEY": "test-cluster-secret-0123456789"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture()
 def cluster_key(monkeypatch):
-    monkeypatch.setenv("PORTASERVE_CLUSTER_KEY", "test-cluster")
+    monkeypatch.setenv("PORTASERVE_CLUSTER_KEY", "test-cluster-secret-0123456789")
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -123,3 +123,56 @@ def test_headless_and_node_rank_checks():
         EngineConfig.create(nnodes=2, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="node_rank"):
         run_headless(EngineConfig.create(nnodes=1))
+
+
+def test_the_control_port_refuses_strangers_and_runs_no_pickle(cluster_key, monkeypatch, tmp_path):
+    """Node 0's control listener: a peer without the secret is dropped at the handshake;
+    one with it that sends a pickle instead of a Hello gets a malformed message, not code."""
+    import pickle
+    from multiprocessing.connection import Client
+
+    from portaserve.framework.config import EngineConfig
+    from portaserve.framework.executor import multinode
+    from portaserve.framework.wire import WireError, handshake
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    port = free_port_pair()
+    config = EngineConfig.create(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port)
+    monkeypatch.setattr(multinode, "CONNECT_TIMEOUT_S", 3.0)
+    ranks = multinode.RemoteRanks(config)
+    address = multinode.control_address(config)
+    stranger = Client(address)
+    stranger.send_bytes(pickle.dumps(Exploit()))  # no handshake at all
+    with pytest.raises(WireError):
+        handshake(Client(address), b"wrong-secret-0123456789", initiator=True, timeout=5)
+    insider = Client(address)
+    handshake(insider, os.environ["PORTASERVE_CLUSTER_KEY"].encode(), initiator=True, timeout=5)
+    insider.send_bytes(pickle.dumps(Exploit()))  # instead of a Hello
+    with pytest.raises(EngineDeadError, match="did not connect"):
+        ranks.connect(spec=None, init_method="tcp://127.0.0.1:1", local_alive=lambda: None)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_node_with_the_wrong_secret_is_refused(checkpoint, monkeypatch):
+    port = free_port_pair()
+    monkeypatch.setenv("PORTASERVE_CLUSTER_KEY", "node-zero-secret-0123456789")
+    from portaserve.framework.executor import multinode
+
+    monkeypatch.setattr(multinode, "CONNECT_TIMEOUT_S", 8.0)
+    cmd = [sys.executable, "-m", "portaserve.framework.executor.multinode", "--nnodes", "2", "--node-rank", "1",
+           "--tensor-parallel-size", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTASERVE_CLUSTER_KEY": "another-secret-0123456789",
+           "PORTASERVE_NODE_CONNECT_TIMEOUT": "8"}
+    node1 = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with pytest.raises(EngineDeadError, match="did not connect"):
+            LLM(checkpoint(ARCH), tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
+                **ENGINE_KW)
+        out = _stop(node1)
+        assert "does not know the shared secret" in out, out
+    finally:
+        if node1.poll() is None:
+            node1.kill()

@@ -559,3 +559,28 @@ def test_admin_routes_are_404_without_enable_admin_api(http, method, path, body)
     r = http.request(method, path, json=body)
     assert r.status_code == 404, r.text
     assert r.json()["error"]["code"] == 404
+
+
+def test_a_pickle_pushed_into_the_engine_ipc_runs_nothing(srv, client, tmp_path):
+    """The engine core's inbox takes typed messages only: a pickled payload (what a local
+    attacker able to reach the socket would send) is dropped as malformed."""
+    import os
+    import pickle
+
+    import zmq
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(srv.engine._in_addr)
+    push.send(pickle.dumps(("add", Exploit())))
+    push.close(linger=1000)
+    ctx.term()
+    r = client.completions.create(model="tiny", prompt="still here", max_tokens=2)
+    assert r.choices[0].text is not None
+    assert not marker.exists()
