@@ -75,3 +75,34 @@ def test_dead_ray_actor_fails_the_engine_with_its_rank(ray_head, checkpoint):
         assert "rank 1" in str(result["error"])
     finally:
         llm.shutdown()
+
+
+def test_tp2_across_two_ray_nodes_matches_tp1(checkpoint, reference_ids, monkeypatch):
+    """Two Ray nodes on this machine (ray.cluster_utils.Cluster: a head and a worker node,
+    one CPU each), so the placement group must put one rank on each."""
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    expected = reference_ids(PROMPTS, 8, ARCH)
+    if ray.is_initialized():
+        ray.shutdown()
+    # every node on the loopback address (Ray would otherwise resolve this host's external
+    # address, which the sandboxed test machine cannot connect to)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        llm = LLM(checkpoint(ARCH), tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KW)
+        try:
+            executor = llm.llm_engine.core.executor
+            node_ids = ray.get([actor.node.remote() for actor in executor.actors])
+            assert len({n[0] for n in node_ids}) == 2, node_ids  # one rank per Ray node
+            assert generate_ids(llm, PROMPTS, 8) == expected
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
