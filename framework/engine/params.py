@@ -27,6 +27,10 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2  # nothing until the request finishes
 
 
+#: Beyond these a sampling parameter only means "uniform" (temperature) or overflows float32.
+MAX_TEMPERATURE = 1e4
+MAX_REPETITION_PENALTY = 1e4
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s)."""
@@ -84,8 +88,11 @@ class SamplingParams:
         check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        # upper bounds too: float32 logits divided by a temperature past ~1e38 (inf) became NaN
+        check(0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+              f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        check(0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+              f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k!r}")
         check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
@@ -99,7 +106,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             check(isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0, "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         if self.seed is not None:
-            check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+            check(isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64, "seed",
+                  f"must be an integer in [-2^63, 2^64), got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         if self.logit_bias:

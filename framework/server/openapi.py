@@ -16,15 +16,15 @@ from portaserve.framework.server.limits import RequestLimits
 # request schema -> {property: JSON-schema constraints} (limits filled in by `_constraints`)
 _SAMPLING = {
     "n": {"minimum": 1},
-    "temperature": {"minimum": 0},
+    "temperature": {"minimum": 0, "maximum": 1e4},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "min_p": {"minimum": 0, "maximum": 1},
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"exclusiveMinimum": 0},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 1e4},
     "top_k": {"minimum": -1},
     "min_tokens": {"minimum": 0},
-    "seed": {"minimum": 0, "maximum": 2**63 - 1},
+    "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},
 }
 
 
