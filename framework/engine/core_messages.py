@@ -148,7 +148,7 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
     return _ERRORS.get(info.kind, RuntimeError)(info.message)
 
 
-def result_message(call_id: int, method: str, value: Any) -> bytes:
+def result_message(call_id: int, value: Any) -> bytes:
     return encode(Result(call_id, True, msgspec.Raw(encode(value))))
 
 

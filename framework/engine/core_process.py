@@ -141,7 +141,7 @@ def _handle(core: Any, msg: Any, send) -> None:
         try:
             args = call_args(msg)
             value = getattr(core, msg.method)(*args)
-            send(result_message(msg.call_id, msg.method, value))
+            send(result_message(msg.call_id, value))
         except Exception as exc:
             send(encode(Result(msg.call_id, False, error=error_info(exc))))
 

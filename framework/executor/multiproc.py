@@ -48,7 +48,7 @@ def _worker_main(spec: EngineSpec, rank: int, world_size: int, local_rank: int, 
     try:
         worker = Worker(spec, WorkerRank(rank, world_size, local_rank, init_method))
         worker.load_model()
-        conn.send_bytes(reply_bytes("load_model", None))
+        conn.send_bytes(reply_bytes(None))
     except BaseException as exc:
         conn.send_bytes(error_bytes(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
@@ -64,10 +64,10 @@ def _worker_main(spec: EngineSpec, rank: int, world_size: int, local_rank: int, 
             continue
         if method == "shutdown":
             worker.shutdown()
-            conn.send_bytes(reply_bytes(method, None))
+            conn.send_bytes(reply_bytes(None))
             break
         try:
-            conn.send_bytes(reply_bytes(method, getattr(worker, method)(*args)))
+            conn.send_bytes(reply_bytes(getattr(worker, method)(*args)))
         except BaseException as exc:
             conn.send_bytes(error_bytes(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 

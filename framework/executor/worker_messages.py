@@ -99,7 +99,7 @@ def read_call(data: bytes) -> tuple[str, tuple]:
     return call.method, tuple(decode(call.args, arg_types))
 
 
-def reply_bytes(method: str, value: Any) -> bytes:
+def reply_bytes(value: Any) -> bytes:
     return encode(Reply(True, msgspec.Raw(encode(value))))
 
 

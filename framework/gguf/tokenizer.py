@@ -78,12 +78,13 @@ def gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizerParts:
     types = list(gguf.get_array("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise invalid("tokenizer", f"{gguf.path}: {len(types)} token types for {len(tokens)} tokens")
+    add_bos_default = True  # SentencePiece; WordPiece adds [CLS] through its post-processor
     if model == "gpt2":
         backend, add_bos_default = _byte_level_bpe(gguf, tokens, types)
     elif model == "llama":
-        backend, add_bos_default = _sentencepiece_bpe(gguf, tokens, types), True
+        backend = _sentencepiece_bpe(gguf, tokens, types)
     elif model == "bert":
-        backend, add_bos_default = _wordpiece(gguf, tokens, types), True
+        backend = _wordpiece(gguf, tokens, types)
     else:
         raise invalid(
             "tokenizer",

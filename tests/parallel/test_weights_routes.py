@@ -113,6 +113,7 @@ def test_sleep_and_wake_up_routes(http, reference_ids):
     assert _generate(http) == before
 
 
+@pytest.mark.slow
 def test_a_weight_update_group_address_must_be_allowed(http):
     for address in ("169.254.169.254", "10.1.2.3", "metadata.internal"):
         r = http.post("/v1/init_weight_update_group", json={"master_address": address, "master_port": 29999,

@@ -588,3 +588,9 @@ def test_a_pickle_pushed_into_the_engine_ipc_runs_nothing(srv, client, tmp_path)
     r = client.completions.create(model="tiny", prompt="still here", max_tokens=2)
     assert r.choices[0].text is not None
     assert not marker.exists()
+
+
+def test_a_wrong_method_is_a_405_in_openai_shape(http):
+    r = http.request("PUT", "/v1/chat/completions", json={})
+    assert r.status_code == 405
+    assert r.json()["error"]["code"] == 405 and r.json()["error"]["message"]

@@ -13,6 +13,10 @@ from faulty_processor import FAIL_AT
 from portaserve.framework.config import EngineConfig
 from server_harness import ServerThread
 
+# two servers, requests that run to their fault: the full suite (the engine-level case is
+# in tests/engine/test_llm_engine.py, in the fast tier)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", params=["faulty_processor:FailAtStep", "faulty_processor:NaNAtStep"],
                 ids=["raising-processor", "nan-logits"])

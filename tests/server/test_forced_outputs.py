@@ -28,6 +28,10 @@ TOOLS = [
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+# a server of its own whose outputs are forced: the full suite (the parsers' unit tests
+# are in test_parsers.py, in the fast tier)
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     from portaserve.framework.engine.tokenizer import Tokenizer
@@ -109,21 +113,18 @@ def test_tool_call_and_reasoning_auto(client):
     assert finish == "tool_calls"
 
 
-@pytest.mark.slow
 def test_no_tools_means_no_tool_parsing(client):
     full, streamed = both(client, max_tokens=200)
     assert full == streamed
     assert full == (REASONING, f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>", [], "stop")
 
 
-@pytest.mark.slow
 def test_tool_choice_none_keeps_the_text(client):
     full, streamed = both(client, tools=TOOLS, tool_choice="none", max_tokens=200)
     assert full == streamed
     assert full[1].startswith("<tool_call>") and full[2] == [] and full[3] == "stop"
 
 
-@pytest.mark.slow
 def test_named_tool_choice_filters(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     full, streamed = both(client, tools=TOOLS, tool_choice=named, max_tokens=200)
@@ -137,7 +138,6 @@ def test_named_tool_choice_filters(client):
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
-@pytest.mark.slow
 def test_include_reasoning_false_and_template_kwargs(client):
     full, streamed = both(client, max_tokens=200, extra_body={"include_reasoning": False,
                                                               "chat_template_kwargs": {"enable_thinking": False}})
@@ -152,7 +152,6 @@ def test_truncated_reasoning_stream_equals_whole(client):
     assert full[1] is None and full[3] == "length" and REASONING.startswith(full[0])
 
 
-@pytest.mark.slow
 def test_engine_death_mid_stream(srv, client):
     """Last in the module: kill the engine process while a request streams."""
     stream = client.chat.completions.create(model="forced", messages=MESSAGES, stream=True, max_tokens=400,

@@ -74,6 +74,7 @@ CASES = [
 ]
 
 
+@pytest.mark.grid(keep=6)
 @pytest.mark.parametrize(("route", "body", "param", "words"), CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_over_a_limit_is_a_400_naming_it(http, route, body, param, words):
     start = time.monotonic()
@@ -121,6 +122,7 @@ def test_every_limit_is_a_serve_flag_with_its_default_in_help():
     assert limits.max_n == 7 and limits.max_token_ids == 99 and limits.max_prompts == RequestLimits().max_prompts
 
 
+@pytest.mark.slow
 def test_a_request_template_that_renders_too_long_is_stopped(http):
     endless = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}x"
     start = time.monotonic()
