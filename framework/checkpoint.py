@@ -119,32 +119,10 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise invalid("model", f"{repo_id!r} is not a local folder, and huggingface_hub is not installed ({exc})") from None
-    cache = hub_cache_dir()
     common = dict(repo_id=repo_id, revision=revision, allow_patterns=list(HUB_ALLOW_PATTERNS))
-    # The cache first: a model fetched once starts with no network access at all.
-    try:
-        return _checked(Path(snapshot_download(**common, local_files_only=True)), repo_id)
-    except InvalidParameterError:
-        raise
-    except Exception:
-        pass
     where = f"{repo_id!r}" + (f" (revision {revision!r})" if revision else "")
-    if _hub_offline():
-        raise invalid(
-            "model",
-            f"{where} is not in the Hugging Face cache folder {cache} and the hub is offline "
-            "(HF_HUB_OFFLINE=1); download it while online, or pass a local model folder",
-        )
-    logger.info("fetching %s from the Hugging Face hub into %s", where, cache)
-    try:
-        folder = snapshot_download(**common, etag_timeout=HUB_ETAG_TIMEOUT_S)
-    except Exception as exc:
-        raise invalid(
-            "model",
-            f"cannot fetch {where} from the Hugging Face hub ({_hub_reason(exc)}); it is not in the cache "
-            f"folder {cache}; check the id and your network, or pass a local model folder",
-        ) from None
-    return _checked(Path(folder), repo_id)
+    folder = _from_hub(lambda **kw: snapshot_download(**common, **kw), where, "a local model folder")
+    return _checked(folder, repo_id)
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
@@ -154,23 +132,33 @@ def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
 
     common = dict(repo_id=repo_id, filename=filename, revision=revision)
+    where = f"{filename!r} of {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
+    return _from_hub(lambda **kw: hf_hub_download(**common, **kw), where, "a local GGUF file")
+
+
+def _from_hub(download, where: str, instead: str) -> Path:
+    """`download(**options)` from the cache first (a model fetched once starts with no
+    network access at all), then from the hub with short timeouts; a clear error when
+    neither works, naming `where`, the cache folder and what to pass `instead`."""
     try:
-        return Path(hf_hub_download(**common, local_files_only=True))
+        return Path(download(local_files_only=True))
     except Exception:
         pass
-    where = f"{filename!r} of {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
+    cache = hub_cache_dir()
     if _hub_offline():
         raise invalid(
             "model",
-            f"{where} is not in the Hugging Face cache folder {hub_cache_dir()} and the hub is offline "
-            "(HF_HUB_OFFLINE=1); download it while online, or pass a local GGUF file",
+            f"{where} is not in the Hugging Face cache folder {cache} and the hub is offline "
+            f"(HF_HUB_OFFLINE=1); download it while online, or pass {instead}",
         )
-    logger.info("fetching %s from the Hugging Face hub", where)
+    logger.info("fetching %s from the Hugging Face hub into %s", where, cache)
     try:
-        return Path(hf_hub_download(**common, etag_timeout=HUB_ETAG_TIMEOUT_S))
+        return Path(download(etag_timeout=HUB_ETAG_TIMEOUT_S))
     except Exception as exc:
         raise invalid(
-            "model", f"cannot fetch {where} from the Hugging Face hub ({_hub_reason(exc)}); pass a local GGUF file"
+            "model",
+            f"cannot fetch {where} from the Hugging Face hub ({_hub_reason(exc)}); it is not in the cache "
+            f"folder {cache}; check the id and your network, or pass {instead}",
         ) from None
 
 
