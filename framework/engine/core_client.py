@@ -171,8 +171,11 @@ class AsyncLLM:
             try:
                 msg = decode(raw, FromCore)
             except WireError as exc:
-                self._mark_dead(f"the engine core sent a malformed message: {exc}")
-                return
+                # The engine core sends typed messages only, so this came from elsewhere (a
+                # process of this user writing into the 0700 socket folder): dropped, never
+                # unpickled, and not allowed to take the server down.
+                logger.warning("dropped a malformed message on the engine-core channel: %s", exc)
+                continue
             if isinstance(msg, Outputs):
                 self.latest_stats = msg.stats
                 self._dispatch(msg.outputs)

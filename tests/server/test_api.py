@@ -566,10 +566,13 @@ def test_admin_routes_are_404_without_enable_admin_api(http, method, path, body)
 
 
 def test_a_pickle_pushed_into_the_engine_ipc_runs_nothing(srv, client, tmp_path):
-    """The engine core's inbox takes typed messages only: a pickled payload (what a local
-    attacker able to reach the socket would send) is dropped as malformed."""
+    """The front end's inbox from the engine core (the IPC socket it binds; the core's own
+    inbox is a connection the core makes to a PUSH socket, which takes no pushes) takes typed
+    messages only: a pickled payload, what a local process able to reach the socket would
+    send, is dropped as malformed, runs nothing and leaves the server serving."""
     import os
     import pickle
+    import stat
 
     import zmq
 
@@ -581,10 +584,12 @@ def test_a_pickle_pushed_into_the_engine_ipc_runs_nothing(srv, client, tmp_path)
 
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.connect(srv.engine._in_addr)
+    push.setsockopt(zmq.SNDTIMEO, 10_000)  # a send that cannot be delivered fails, never hangs
+    push.connect(srv.engine._out_addr)
     push.send(pickle.dumps(("add", Exploit())))
-    push.close(linger=1000)
+    push.close(linger=5000)
     ctx.term()
+    assert stat.S_IMODE(os.stat(os.path.dirname(srv.engine._out_addr.removeprefix("ipc://"))).st_mode) == 0o700
     r = client.completions.create(model="tiny", prompt="still here", max_tokens=2)
     assert r.choices[0].text is not None
     assert not marker.exists()
