@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.0"
+PORTASERVE_CONTRACT = "1.1"
 
 
 @hookimpl
@@ -15,6 +15,13 @@ def portaserve_quant_methods():
         "fp8": "portaserve.framework.quantization.fp8:Fp8Method",
         "compressed-tensors": "portaserve.framework.quantization.compressed_tensors:CompressedTensorsMethod",
     }
+
+
+@hookimpl
+def portaserve_op_specs():
+    from .op_references import BUILTIN_OP_SPECS
+
+    return BUILTIN_OP_SPECS
 
 
 _PARSERS = "portaserve.framework.server.parsers"

@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
         None, description="while requests are decoding, at most this many prompt tokens per step (chunked "
         "prefill): bounds inter-token latency. 'auto': the platform's measured serving default (what "
         "`portaserve serve` uses); None or 0: no cap, the whole max_num_batched_tokens (the offline API's default)")
-    block_size: int = Field(16, ge=1)
+    block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: the platform's default")
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks (tests)")
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
@@ -99,7 +99,7 @@ class EngineConfig(BaseModel):
                                  "its actors itself: use nnodes 1 with 'ray')")
         if self.headless and self.node_rank == 0:
             raise ValueError("headless: node 0 runs the engine core and the server; headless is for node_rank > 0")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         return self
 

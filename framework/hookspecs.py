@@ -19,8 +19,30 @@ must equal the key); each class declares its own capabilities, see
 ``portaserve.framework.interfaces``. Two plugins registering different classes under
 one name is an error reported against the second.
 
-Changing a hook's signature or meaning bumps the major version; adding a hook bumps the
-minor version.
+Versioning, as for any API: additions (a hook, an interface method or attribute with a
+default, an op) bump the minor version, and plugins built for any older 1.x keep loading
+unchanged. Removing or changing a hook's or a method's signature or meaning bumps the
+major version; the loader's rule then becomes "major equal, or a supported older major
+loaded through an adapter" (an adapter module that wraps the old plugin's hooks in the
+new signatures), and this docstring lists the adapters. There are none: every 1.x plugin
+loads as written.
+
+History:
+
+- 1.0: platforms, attention backends, communicators, KV-cache allocators, quant
+  methods, model architectures, checkpoint writers, custom ops, parsers.
+- 1.1: ``portaserve_op_specs`` (new named ops with a torch reference: the op registry
+  is open); ``portaserve_platform_model_architectures`` (a platform's own model
+  implementations); platform-owned defaults (``PlatformCapabilities.block_sizes``,
+  ``default_block_size``, ``preferred_dtypes``; ``Platform.ranks_share_device``); the
+  KV layout's block dimension declared by the attention backend
+  (``AttentionBackend.kv_cache_block_dim``); ``AttentionBackend.platforms = None`` for
+  a backend that runs wherever its required features are declared; declared interface
+  members for what the engine used to reach around the contract: the Communicator
+  constructor and ``weight_update_group``, the QuantMethod loader conventions and
+  ``release_weights`` / ``restore_weights`` (sleep level 2, weight updates),
+  ``Platform.ray_resource``, ``Platform.graph_capture`` and ``Platform.compute_units``.
+  All have defaults, so 1.0 plugins load unchanged.
 """
 
 from __future__ import annotations
@@ -39,11 +61,11 @@ if TYPE_CHECKING:
         Platform,
         QuantMethod,
     )
-    from portaserve.framework.interfaces.ops import OpImpl
+    from portaserve.framework.interfaces.ops import OpImpl, OpSpec
 
 PROJECT_NAME = "portaserve"
 #: The contract version of this portaserve: (major, minor).
-CONTRACT_VERSION = (1, 0)
+CONTRACT_VERSION = (1, 1)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorator for plugin hook implementations: ``@hookimpl def portaserve_platform(): ...``
@@ -126,10 +148,43 @@ def portaserve_checkpoint_writers() -> "Mapping[str, Callable | str]":
 
 
 @hookspec
-def portaserve_custom_ops() -> "Sequence[OpImpl]":
-    """Return fused op implementations (RMSNorm, SiLU-and-mul, rotary, ...) for layers.
+def portaserve_platform_model_architectures() -> "Mapping[str, Mapping[str, type[ModelArchitecture] | str]]":
+    """Return this plugin's own model implementations, per platform (contract 1.1).
 
-    See :mod:`portaserve.framework.interfaces.ops` for the op names and signatures.
+    ``{"acme": {"LlamaForCausalLM": "acme_plugin.llama:AcmeLlama"}}`` makes the plan use
+    ``AcmeLlama`` for Llama checkpoints on platform ``acme`` (and say so), while every
+    other platform keeps the generic implementation. A registration never replaces
+    another plugin's: the same (platform, architecture) registered by two plugins fails
+    the second. A generic registration under a built-in name (through
+    ``portaserve_model_architectures``) likewise fails only the plugin that made it.
+
+    :returns: mapping of platform name to a mapping of architecture name to class or
+        ``"module:Class"`` string.
+    """
+
+
+@hookspec
+def portaserve_op_specs() -> "Sequence[OpSpec]":
+    """Declare new named ops, each with a torch reference implementation (contract 1.1).
+
+    A model calls an op by name (``ctx.ops.get(name)``) and gets the platform's
+    implementation where one is bound, else the reference, so a model using a new op runs
+    everywhere. Names are global: declaring a name another plugin declared fails this
+    plugin. See :class:`~portaserve.framework.interfaces.ops.OpSpec`.
+
+    :returns: a sequence of OpSpec.
+    """
+
+
+@hookspec
+def portaserve_custom_ops() -> "Sequence[OpImpl]":
+    """Return implementations of declared ops (RMSNorm, SiLU-and-mul, rotary, or a
+    plugin's own) for the platforms they name.
+
+    See :mod:`portaserve.framework.interfaces.ops` for the built-in op names and
+    signatures. An implementation of an op no loaded plugin declares is reported against
+    this plugin and dropped. The conformance kit compares every implementation with the
+    op's reference.
     """
 
 

@@ -15,19 +15,29 @@ from typing import Any
 import torch
 
 from .interfaces import AttentionBackend, AttentionMetadata, AttentionSpec, Communicator, QuantMethod
+from .interfaces.ops import REFERENCE
 from .plan import ExecutionPlan
 from .plugins import PluginRegistry
 
 
 class OpTable:
-    """Fused op implementations bound by the plan; `get(name)` is None when the layer's
-    own torch code should run."""
+    """The plan's op bindings: `get(name)` is the platform's implementation of a declared
+    op, or its torch reference where none is bound, so a model calls every op the same way."""
 
-    def __init__(self, ops: Mapping[str, Callable] | None = None) -> None:
+    def __init__(self, ops: Mapping[str, Callable] | None = None, bound: Mapping[str, str] | None = None) -> None:
         self._ops = dict(ops or {})
+        self._bound = dict(bound or {})
 
-    def get(self, name: str) -> Callable | None:
-        return self._ops.get(name)
+    def get(self, name: str) -> Callable:
+        try:
+            return self._ops[name]
+        except KeyError:
+            raise KeyError(f"op {name!r} is not declared; declared ops: {', '.join(sorted(self._ops))} "
+                           "(a plugin declares new ops with portaserve_op_specs)") from None
+
+    def binding(self, name: str) -> str:
+        """The implementation bound to `name` ("reference" for the torch reference)."""
+        return self._bound.get(name, REFERENCE)
 
     def names(self) -> dict[str, str]:
         return {k: getattr(v, "__qualname__", repr(v)) for k, v in self._ops.items()}
@@ -99,13 +109,17 @@ class LayerContext:
         tp_size: int = 1,
         communicator: Communicator | None = None,
     ) -> "LayerContext":
-        impls = {}
+        impls = {name: sp.load_reference() for name, (_plugin, sp) in registry.op_specs.items()}
+        bound = {}
         for op, impl_name in plan.custom_ops:
+            if impl_name == REFERENCE:
+                continue
             for _plugin, impl in registry.custom_ops:
                 if impl.op == op and impl.name == impl_name:
                     impls[op] = impl.load()
+                    bound[op] = impl_name
                     break
-        return cls(plan, registry, device, tp_rank, tp_size, communicator, OpTable(impls))
+        return cls(plan, registry, device, tp_rank, tp_size, communicator, OpTable(impls, bound))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ import torch
 from .config import EngineConfig
 from .errors import UnsupportedError
 from .interfaces import AttentionSpec, DeviceInfo, Platform
+from .interfaces.ops import REFERENCE
 from .plugins import PluginRegistry
 from .selection import PlatformChoice
 
@@ -55,7 +56,7 @@ class ExecutionPlan:
     quantization: Choice
     compilation: Choice  # name = mode; reason names the platform's compile backend
     compile_backend: str | None
-    custom_ops: tuple[tuple[str, str], ...] = ()  # (op, implementation name or "torch")
+    custom_ops: tuple[tuple[str, str], ...] = ()  # (op, implementation name or "reference"), every declared op
     tensor_parallel_size: int = 1
     quantization_config: Mapping[str, Any] = field(default_factory=dict)
     #: The platform's declared features (QuantMethods pick variants by them, e.g. an fp8 flavour).
@@ -66,6 +67,9 @@ class ExecutionPlan:
     #: The scheduler's prompt-token cap for steps that carry decodes (None: no cap), and why.
     prefill_cap_with_decodes: int | None = None
     prefill_cap: Choice = Choice("none", "no cap requested")
+    #: Where the dtype and the KV block size came from (the user, the checkpoint, the platform).
+    dtype_choice: Choice = Choice("float32", "default")
+    block_size_choice: Choice = Choice("16", "default")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -78,7 +82,8 @@ class ExecutionPlan:
         return dict(self.attention_specs)[layer_type]
 
     def choices(self) -> list[tuple[str, Choice]]:
-        rows = [("platform", self.platform), ("model", self.model_architecture)]
+        rows = [("platform", self.platform), ("model", self.model_architecture), ("dtype", self.dtype_choice),
+                ("block_size", self.block_size_choice)]
         rows += [(f"attention[{t}]", c) for t, c in self.attention]
         rows += [
             ("kv_cache_allocator", self.kv_cache_allocator),
@@ -131,8 +136,11 @@ def resolve_plan(
     caps = platform.capabilities()
     platform_row = Choice(platform.name, platform_choice.reason, platform_choice.rejected)
 
-    arch_choice, arch_cls = _choose_architecture(registry, hf_config)
-    dtype = _choose_dtype(config, platform, hf_config)
+    arch_choice, arch_cls = _choose_architecture(registry, hf_config, platform.name)
+    dtype_choice = _choose_dtype(config, platform, hf_config)
+    dtype = dtype_choice.name
+    block_size_choice = _choose_block_size(config, platform)
+    block_size = int(block_size_choice.name)
     torch_dtype = DTYPES[dtype]
     if config.kv_cache_dtype not in caps.kv_cache_dtypes:
         raise UnsupportedError(
@@ -141,7 +149,8 @@ def resolve_plan(
         )
     specs = arch_cls.attention_specs(hf_config, torch_dtype, config.kv_cache_dtype)
     attention = tuple(
-        (layer_type, _choose_attention(config, registry, platform, layer_type, spec)) for layer_type, spec in specs.items()
+        (layer_type, _choose_attention(config, registry, platform, layer_type, spec, block_size))
+        for layer_type, spec in specs.items()
     )
     compilation, compile_backend = _choose_compilation(config, platform)
     quant_choice, quant_config, unquantized = _choose_quantization(
@@ -155,7 +164,7 @@ def resolve_plan(
         attention=attention,
         attention_specs=tuple(specs.items()),
         kv_cache_dtype=config.kv_cache_dtype,
-        block_size=config.block_size,
+        block_size=block_size,
         kv_cache_allocator=_choose_component(registry, "kv_cache_allocators", platform, platform.default_kv_cache_allocator()),
         communicator=_choose_component(registry, "communicators", platform, platform.default_communicator()),
         quantization=quant_choice,
@@ -166,6 +175,8 @@ def resolve_plan(
         quantization_config=quant_config,
         platform_features=tuple(sorted(caps.features)),
         unquantized_method=unquantized,
+        dtype_choice=dtype_choice,
+        block_size_choice=block_size_choice,
         **_choose_prefill_cap(config, platform, is_pooling=bool(getattr(arch_cls, "is_pooling", False))),
     )
 
@@ -199,7 +210,7 @@ def attention_candidates(registry: PluginRegistry, platform: Platform) -> tuple[
         cls = backends.get(name)
         if cls is None:
             out.append(Choice(name, "preferred by the platform but not registered (plugin not installed?)"))
-        elif platform.name not in cls.platforms:
+        elif not cls.runs_on(platform.name):
             out.append(Choice(name, f"unusable: runs on {sorted(cls.platforms)}, not {platform.name}"))
         elif cls.required_features - features:
             out.append(Choice(name, f"unusable: needs platform features {sorted(cls.required_features - features)}"))
@@ -209,43 +220,71 @@ def attention_candidates(registry: PluginRegistry, platform: Platform) -> tuple[
     return tuple(out)
 
 
-def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any]):
+def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any], platform: str):
     archs = list(hf_config.get("architectures") or [])
-    known = registry.names("model_architectures")
+    known = registry.architecture_names(platform)
     for arch in archs:
-        if arch in known:
-            cls = registry.get("model_architectures", arch)
-            gguf = hf_config.get("portaserve_gguf")
-            if gguf:
-                from .gguf.config import describe_gguf
+        if arch not in known:
+            continue
+        cls = registry.architecture(arch, platform)
+        gguf = hf_config.get("portaserve_gguf")
+        if gguf:
+            from .gguf.config import describe_gguf
 
-                return Choice(arch, describe_gguf(gguf)), cls
-            return Choice(arch, f"config.json architectures lists {arch}"), cls
+            reason = describe_gguf(gguf)
+        else:
+            reason = f"config.json architectures lists {arch}"
+        own = registry.platform_models.get((platform, arch))
+        if own is None:
+            return Choice(arch, reason), cls
+        rejected = ()
+        if arch in registry.components["model_architectures"]:
+            generic = registry.components["model_architectures"][arch]
+            rejected = ((f"{arch} ({generic.plugin})", f"platform {platform} has its own implementation"),)
+        return Choice(arch, f"{reason}; platform {platform}'s own implementation from plugin {own.plugin}", rejected), cls
     raise UnsupportedError(
         f"model: architecture {archs or '(none listed)'} is not supported; supported architectures: "
         f"{', '.join(known) or 'none registered'} (a plugin can add one through portaserve_model_architectures)"
     )
 
 
-def _choose_dtype(config: EngineConfig, platform: Platform, hf_config: Mapping[str, Any]) -> str:
-    supported = sorted(dtype_name(d) for d in platform.capabilities().dtypes)
-    if config.dtype == "auto":
-        dtype = checkpoint_dtype(hf_config)
-        if DTYPES[dtype] not in platform.capabilities().dtypes:
-            # auto follows the checkpoint where the platform can, else the platform's best
-            fallback = next((d for d in ("bfloat16", "float16", "float32") if d in supported), None)
-            if fallback is None:
-                raise UnsupportedError(f"dtype: platform {platform.name} supports none of {list(DTYPES)}")
-            return fallback
-        return dtype
-    if DTYPES[config.dtype] not in platform.capabilities().dtypes:
+def _choose_dtype(config: EngineConfig, platform: Platform, hf_config: Mapping[str, Any]) -> Choice:
+    caps = platform.capabilities()
+    supported = sorted(dtype_name(d) for d in caps.dtypes)
+    if config.dtype != "auto":
+        if DTYPES[config.dtype] not in caps.dtypes:
+            raise UnsupportedError(
+                f"dtype: {config.dtype} is not supported on platform {platform.name}; supported: {', '.join(supported)}"
+            )
+        return Choice(config.dtype, f"--dtype {config.dtype}")
+    dtype = checkpoint_dtype(hf_config)
+    if DTYPES[dtype] in caps.dtypes:
+        return Choice(dtype, "the checkpoint's dtype (--dtype auto)")
+    # auto follows the checkpoint where the platform can, else the platform's preference
+    order = [dtype_name(d) for d in caps.preferred_dtypes] or [d for d in ("bfloat16", "float16", "float32") if d in supported]
+    fallback = next((d for d in order if d in DTYPES), None)
+    if fallback is None:
+        raise UnsupportedError(f"dtype: platform {platform.name} supports none of {list(DTYPES)}")
+    source = f"platform {platform.name}'s preferred dtype" if caps.preferred_dtypes else "the first supported of bfloat16, float16, float32"
+    return Choice(fallback, f"{source}: the checkpoint's {dtype} is not supported there", ((dtype, f"not supported on {platform.name}"),))
+
+
+def _choose_block_size(config: EngineConfig, platform: Platform) -> Choice:
+    caps = platform.capabilities()
+    allowed = sorted(caps.block_sizes)
+    if config.block_size is None:
+        return Choice(str(caps.default_block_size), f"platform {platform.name}'s default (supported: {allowed})")
+    if config.block_size not in caps.block_sizes:
         raise UnsupportedError(
-            f"dtype: {config.dtype} is not supported on platform {platform.name}; supported: {', '.join(supported)}"
+            f"block_size: {config.block_size} is not supported on platform {platform.name}; supported: {allowed} "
+            f"(unset, it takes the platform's default {caps.default_block_size})"
         )
-    return config.dtype
+    return Choice(str(config.block_size), f"--block-size {config.block_size}")
 
 
-def _choose_attention(config: EngineConfig, registry: PluginRegistry, platform: Platform, layer_type: str, spec: AttentionSpec) -> Choice:
+def _choose_attention(
+    config: EngineConfig, registry: PluginRegistry, platform: Platform, layer_type: str, spec: AttentionSpec, block_size: int
+) -> Choice:
     backends = registry.load_all("attention_backends")
     features = platform.capabilities().features
     preference = list(platform.preferred_attention_backends())
@@ -256,14 +295,14 @@ def _choose_attention(config: EngineConfig, registry: PluginRegistry, platform: 
         cls = backends.get(name)
         if cls is None:
             continue
-        if platform.name not in cls.platforms:
+        if not cls.runs_on(platform.name):
             rejected.append((name, f"runs on {sorted(cls.platforms)}, not {platform.name}"))
             continue
         missing = cls.required_features - features
         if missing:
             rejected.append((name, f"needs platform features {sorted(missing)}"))
             continue
-        why = cls.unsupported_reason(spec, config.block_size)
+        why = cls.unsupported_reason(spec, block_size)
         if why:
             rejected.append((name, why))
             continue
@@ -436,6 +475,7 @@ def _choose_compilation(config: EngineConfig, platform: Platform) -> tuple[Choic
 
 
 def _choose_ops(registry: PluginRegistry, platform: Platform, compiled: bool = False) -> tuple[tuple[str, str], ...]:
+    """Every declared op with its binding: the best usable implementation, else "reference"."""
     features = platform.capabilities().features
     best: dict[str, tuple[int, str]] = {}
     for _plugin, impl in registry.custom_ops:
@@ -445,4 +485,4 @@ def _choose_ops(registry: PluginRegistry, platform: Platform, compiled: bool = F
             continue
         if impl.op not in best or impl.priority > best[impl.op][0]:
             best[impl.op] = (impl.priority, impl.name)
-    return tuple(sorted((op, name) for op, (_p, name) in best.items()))
+    return tuple(sorted((op, best[op][1] if op in best else REFERENCE) for op in registry.op_specs))

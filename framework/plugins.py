@@ -31,7 +31,7 @@ import pluggy
 from . import hookspecs
 from .errors import PluginError
 from .interfaces import AttentionBackend, Communicator, KVCacheAllocator, Platform, QuantMethod
-from .interfaces.ops import OpImpl
+from .interfaces.ops import OpImpl, OpSpec
 
 PLATFORM_GROUP = "portaserve.platforms"
 PLUGIN_GROUP = "portaserve.plugins"
@@ -148,6 +148,10 @@ class PluginRegistry:
         self.platform_plugin: dict[str, str] = {}
         self.components: dict[str, dict[str, Component]] = {kind: {} for kind in COMPONENT_KINDS}
         self.custom_ops: list[tuple[str, OpImpl]] = []
+        #: op name -> (plugin, its declaration)
+        self.op_specs: dict[str, tuple[str, OpSpec]] = {}
+        #: (platform name, architecture name) -> a platform's own model implementation
+        self.platform_models: dict[tuple[str, str], Component] = {}
 
     # ----- queries ---------------------------------------------------------------------
 
@@ -168,6 +172,19 @@ class PluginRegistry:
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.components[kind])
+
+    def architecture(self, name: str, platform: str) -> Any:
+        """The model class for architecture `name` on `platform`: the platform's own
+        implementation when a plugin registered one, else the generic one."""
+        comp = self.platform_models.get((platform, name))
+        if comp is not None:
+            return comp.load()
+        return self.get("model_architectures", name)
+
+    def architecture_names(self, platform: str) -> list[str]:
+        """Every architecture that can run on `platform` (generic or its own)."""
+        own = {arch for plat, arch in self.platform_models if plat == platform}
+        return sorted(own | set(self.components["model_architectures"]))
 
     def load_all(self, kind: str) -> dict[str, Any]:
         """Every component of `kind`, imported; one that fails to import is reported and dropped."""
@@ -243,7 +260,11 @@ def load_plugins(
     from portaserve import __version__
 
     builtin_spec = EntryPointSpec("framework", FRAMEWORK_PLUGIN, PLUGIN_GROUP, BUILTIN_DISTRIBUTION, __version__)
-    specs = [builtin_spec, *(entry_points if entry_points is not None else discover_entry_points())]
+    discovered = list(entry_points if entry_points is not None else discover_entry_points())
+    # portaserve's own plugins load first, so a third-party registration under a built-in
+    # name fails that plugin, never the built-ins (whatever order entry points come in).
+    discovered.sort(key=lambda spec: not spec.builtin)
+    specs = [builtin_spec, *discovered]
     for spec in specs:
         if not spec.builtin:
             why = None
@@ -257,9 +278,30 @@ def load_plugins(
                 )
                 continue
         _load_one(pm, registry, spec)
+    _drop_undeclared_ops(registry)
     if strict:
         registry.raise_if_failed()
     return registry
+
+
+def _drop_undeclared_ops(registry: PluginRegistry) -> None:
+    """Implementations of ops nobody declared fail their plugin (checked once every
+    plugin has loaded, so a plugin may implement an op another one declares)."""
+    known = ", ".join(sorted(registry.op_specs))
+    kept = []
+    for plugin, impl in registry.custom_ops:
+        if impl.op in registry.op_specs:
+            kept.append((plugin, impl))
+            continue
+        rec = registry.record(plugin)
+        msg = (f"custom op {impl.name!r} implements undeclared op {impl.op!r}; declared ops: {known} "
+               "(declare a new op with portaserve_op_specs)")
+        if rec is not None:
+            rec.error = msg if rec.error is None else f"{rec.error}; {msg}"
+            contributed = rec.contributes.get("custom_ops", [])
+            if f"{impl.op}:{impl.name}" in contributed:
+                contributed.remove(f"{impl.op}:{impl.name}")
+    registry.custom_ops = kept
 
 
 def _load_one(pm: pluggy.PluginManager, registry: PluginRegistry, spec: EntryPointSpec) -> None:
@@ -349,6 +391,23 @@ def _collect(pm, module: ModuleType, spec: EntryPointSpec, rec: PluginRecord) ->
                 rec.error = f"{hook}: {problem or f'name {name!r} is not a string'}"
                 return staged
         staged[kind] = list(result.items())
+    specs = _hook_result(module, "portaserve_op_specs", rec)
+    if rec.error:
+        return staged
+    if specs is not None:
+        if not isinstance(specs, Sequence) or not all(isinstance(sp, OpSpec) for sp in specs):
+            rec.error = f"portaserve_op_specs must return a sequence of OpSpec, got {specs!r}"
+            return staged
+        staged["op_specs"] = list(specs)
+    per_platform = _hook_result(module, "portaserve_platform_model_architectures", rec)
+    if rec.error:
+        return staged
+    if per_platform is not None:
+        problem = _platform_models_problem(per_platform)
+        if problem:
+            rec.error = f"portaserve_platform_model_architectures {problem}"
+            return staged
+        staged["platform_models"] = [(p, a, t) for p, archs in per_platform.items() for a, t in archs.items()]
     ops = _hook_result(module, "portaserve_custom_ops", rec)
     if rec.error:
         return staged
@@ -362,6 +421,18 @@ def _collect(pm, module: ModuleType, spec: EntryPointSpec, rec: PluginRecord) ->
                 return staged
         staged["custom_ops"] = list(ops)
     return staged
+
+
+def _platform_models_problem(result: Any) -> str | None:
+    if not isinstance(result, Mapping):
+        return f"must return a mapping of platform name to {{architecture: class}}, got {type(result).__name__}"
+    for platform, archs in result.items():
+        if not isinstance(platform, str) or not isinstance(archs, Mapping):
+            return f"entry {platform!r}: expected a platform name mapped to {{architecture: class}}"
+        for arch, target in archs.items():
+            if not isinstance(arch, str) or not (isinstance(target, (str, type))):
+                return f"{platform}/{arch!r}: expected an architecture name mapped to a class or 'module:Class'"
+    return None
 
 
 def _platform_problem(cls: Any) -> str | None:
@@ -408,6 +479,16 @@ def _commit(registry: PluginRegistry, rec: PluginRecord, staged: dict[str, Any])
             if existing is not None and not _same_target(existing.target, target):
                 rec.error = f"{kind[:-1].replace('_', ' ')} {name!r} is already registered by plugin {existing.plugin!r}"
                 return
+    for sp in staged.get("op_specs", []):
+        other = registry.op_specs.get(sp.name)
+        if other is not None and not _same_target(other[1].reference, sp.reference):
+            rec.error = f"op {sp.name!r} is already declared by plugin {other[0]!r}"
+            return
+    for platform, arch, target in staged.get("platform_models", []):
+        existing = registry.platform_models.get((platform, arch))
+        if existing is not None and not _same_target(existing.target, target):
+            rec.error = f"model architecture {arch!r} for platform {platform!r} is already registered by plugin {existing.plugin!r}"
+            return
     if platform_cls is not None:
         registry.platforms[platform_cls.name] = platform_cls
         registry.platform_plugin.setdefault(platform_cls.name, rec.name)
@@ -416,6 +497,12 @@ def _commit(registry: PluginRegistry, rec: PluginRecord, staged: dict[str, Any])
         for name, target in staged.get(kind, []):
             registry.components[kind].setdefault(name, Component(name, kind, rec.name, target))
             rec.contributes.setdefault(kind, []).append(name)
+    for sp in staged.get("op_specs", []):
+        registry.op_specs.setdefault(sp.name, (rec.name, sp))
+        rec.contributes.setdefault("op_specs", []).append(sp.name)
+    for platform, arch, target in staged.get("platform_models", []):
+        registry.platform_models.setdefault((platform, arch), Component(arch, "model_architectures", rec.name, target))
+        rec.contributes.setdefault("platform_model_architectures", []).append(f"{platform}:{arch}")
     for op in staged.get("custom_ops", []):
         registry.custom_ops.append((rec.name, op))
         rec.contributes.setdefault("custom_ops", []).append(f"{op.op}:{op.name}")

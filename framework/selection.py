@@ -1,13 +1,17 @@
 """Choosing the platform: probe every registered platform, pick by score or by name.
 
-`--device auto` takes the highest-scoring available platform (an accelerator beats the
-CPU); two available platforms sharing the top score is an error that lists them. A
-forced `--device NAME` that is unavailable fails with the probe's reason.
+`--device auto` tries the available platforms from the highest score down (an
+accelerator beats the CPU) and takes the first that can serve the model (dtype, head
+size, block size, quantization: the caller's `can_serve` check); the plan lists why each
+higher-scored one was passed over. Two servable platforms sharing the best score is an
+error that lists them. A forced `--device NAME` that is unavailable fails with the
+probe's reason (and one that cannot serve the model, with the plan's).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import PlatformUnavailableError, PluginError, UnsupportedError
@@ -75,12 +79,18 @@ def requested_device(device: str | None) -> str:
 
 
 def choose_platform(
-    registry: PluginRegistry, device: str | None = None, *, strict: bool | None = None
+    registry: PluginRegistry,
+    device: str | None = None,
+    *,
+    strict: bool | None = None,
+    can_serve: Callable[[PlatformChoice], str | None] | None = None,
 ) -> PlatformChoice:
     """Pick the platform for `device` ("auto" or a platform name).
 
     :param strict: a probe that raises is fatal (``--strict-plugins``); None reads
         ``PORTASERVE_STRICT_PLUGINS``.
+    :param can_serve: for "auto": why a candidate cannot serve the model, or None when it
+        can (the engine resolves the plan there); None takes the best score unchecked.
     """
     device = requested_device(device)
     if strict is None:
@@ -106,20 +116,38 @@ def choose_platform(
     if not available:
         reasons = "; ".join(f"{r.platform}: {r.result.reason}" for r in reports) or "no platform plugin is registered"
         raise PlatformUnavailableError(f"no platform is available ({reasons})")
-    top = max(r.result.score for r in available)
-    best = [r for r in available if r.result.score == top]
-    if len(best) > 1:
-        names = ", ".join(f"{r.platform} ({r.result.describe()})" for r in best)
-        raise UnsupportedError(
-            f"device: --device auto found {len(best)} platforms with the same score {top}: {names}; "
-            f"choose one with --device NAME (or PORTASERVE_DEVICE=NAME)"
-        )
-    winner = best[0]
-    rejected = []
+    passed_over: list[tuple[str, str]] = []
+    for score in sorted({r.result.score for r in available}, reverse=True):
+        group = [r for r in available if r.result.score == score]
+        servable = []
+        for r in group:
+            why = None
+            if can_serve is not None:
+                choice = PlatformChoice(registry.platforms[r.platform], r.result, "", (), tuple(reports))
+                why = can_serve(choice)
+            if why is None:
+                servable.append(r)
+            else:
+                passed_over.append((r.platform, f"score {score}, but cannot serve the model: {why}"))
+        if len(servable) > 1:
+            names = ", ".join(f"{r.platform} ({r.result.describe()})" for r in servable)
+            raise UnsupportedError(
+                f"device: --device auto found {len(servable)} platforms with the same score {score}: {names}; "
+                f"choose one with --device NAME (or PORTASERVE_DEVICE=NAME)"
+            )
+        if servable:
+            winner = servable[0]
+            break
+    else:
+        detail = "; ".join(f"{name}: {why}" for name, why in passed_over)
+        raise UnsupportedError(f"device: no available platform can serve the model ({detail})")
+    rejected = list(passed_over)
     for r in reports:
-        if r is winner:
+        if r is winner or any(r.platform == name for name, _ in passed_over):
             continue
-        why = f"lower score {r.result.score} < {top}" if r.available else f"unavailable: {r.result.reason}"
+        why = f"lower score {r.result.score} < {winner.result.score}" if r.available else f"unavailable: {r.result.reason}"
         rejected.append((r.platform, why))
-    reason = f"highest score {top} among available platforms: {winner.result.reason}"
+    reason = f"highest score {winner.result.score} among available platforms: {winner.result.reason}"
+    if passed_over:
+        reason = f"highest-scored available platform that can serve the model (score {winner.result.score}): {winner.result.reason}"
     return PlatformChoice(registry.platforms[winner.platform], winner.result, reason, tuple(rejected), tuple(reports))

@@ -5,7 +5,7 @@ backends built on them.
   `activation` (SiLU-and-mul), `rotary`: kernels + launchers + `*_ref` references;
   `kv_layout`: the paged KV-cache layout they share.
 - `triton_backend.TritonAttentionBackend` ("triton": cuda, rocm, xpu; cpu under
-  TRITON_INTERPRET=1) and `ops.triton_ops()` (the fused ops as OpImpls).
+  TRITON_INTERPRET=1) and `ops.triton_ops(platforms)` (the fused ops as OpImpls).
 - `xla_attention.XlaPagedAttentionBackend` ("xla_paged": tpu) and `xla_buckets`.
 - `bench`: `portaserve bench kernels`.
 

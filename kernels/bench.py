@@ -8,9 +8,12 @@ compute, as GB/s and TFLOP/s, next to the device's own measured copy bandwidth a
 matmul rate (also medians of event-timed runs). These are the numbers to record in
 BENCHMARKS.md.
 
-On a machine without a GPU it needs the Triton interpreter: with `TRITON_INTERPRET=1` it
-runs every kernel once on tiny shapes (wall-clock timing; a smoke test of the kernels
-and of this tool, not a performance number); without it, it says so and exits with 2.
+The device comes from the platform registry (`--device auto`, a platform name, or
+NAME:LOCAL_RANK), as the engine would choose it. On a machine without a GPU it needs the
+Triton interpreter: with `TRITON_INTERPRET=1` (the CPU platform then declares the "triton"
+feature) it runs every kernel once on tiny shapes (wall-clock timing; a smoke test of the
+kernels and of this tool, not a performance number); without it, it says so and exits
+with 2.
 """
 
 from __future__ import annotations
@@ -93,24 +96,29 @@ class Result:
         return self.flops / (self.median_us * 1e-6) / 1e12
 
 
+def has_timing_events(device: torch.device) -> bool:
+    """Whether `device` records timing events (accelerators do; the CPU refuses to)."""
+    try:
+        torch.Event(device=device, enable_timing=True).record()
+    except RuntimeError:
+        return False
+    return True
+
+
 class Timer:
     """Median seconds per call: device events where the device has them, else wall clock."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sync: Callable[[], None]) -> None:
         self.device = device
-        self.backend = getattr(torch, device.type, None) if device.type != "cpu" else None
-        self.uses_events = self.backend is not None and hasattr(self.backend, "Event")
-
-    def sync(self) -> None:
-        if self.backend is not None:
-            self.backend.synchronize()
+        self.sync = sync  # waits for the device's queued work
+        self.uses_events = has_timing_events(device)
 
     def median(self, fn: Callable, sets: list[tuple], iters: int, warmup: int) -> float:
         for i in range(warmup):
             fn(*sets[i % len(sets)])
         self.sync()
         if self.uses_events:
-            pairs = [(self.backend.Event(enable_timing=True), self.backend.Event(enable_timing=True)) for _ in range(iters)]
+            pairs = [(self._event(), self._event()) for _ in range(iters)]
             for i, (start, end) in enumerate(pairs):
                 args = sets[(warmup + i) % len(sets)]
                 start.record()
@@ -126,6 +134,9 @@ class Timer:
             self.sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
+
+    def _event(self) -> torch.Event:
+        return torch.Event(device=self.device, enable_timing=True)
 
 
 def num_sets(bytes_per_set: int) -> int:
@@ -282,32 +293,37 @@ def bench_elementwise(timer, shapes, dtype, iters, warmup) -> list[Result]:
 # ----- entry point ----------------------------------------------------------------------------
 
 
-def pick_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        return accelerator.current_accelerator()
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return torch.device("xpu")
-    return torch.device("cpu")
+def open_platform(device: str):
+    """The platform `--device` names ("auto", a platform name, or NAME:LOCAL_RANK), set up to
+    compute on that local rank's device as a worker would be; returns (platform, local rank)."""
+    from portaserve.framework import device_properties
+    from portaserve.framework.errors import invalid
+    from portaserve.framework.plugins import get_registry
+    from portaserve.framework.selection import choose_platform
+
+    name, _, index = device.partition(":")
+    if index and not index.isdigit():
+        raise invalid("device", f"expected auto, a platform name or NAME:LOCAL_RANK, got {device!r}")
+    local_rank = int(index or 0)
+    platform = choose_platform(get_registry(), name).instantiate()
+    platform.init_worker(local_rank)
+    device_properties.publish(platform, local_rank)  # the compute units kernels size grids by
+    return platform, local_rank
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the kernel benchmark; options: `portaserve bench kernels --help` (framework/cli/bench.py)."""
-    device = pick_device(args.device)
-    smoke = device.type == "cpu"
-    if smoke and not interpreting():
+    platform, local_rank = open_platform(args.device)
+    device = platform.torch_device(local_rank)
+    if "triton" not in platform.capabilities().features:
         print(
-            "portaserve bench kernels: no GPU here (device cpu). The Triton kernels need a CUDA, ROCm or XPU "
-            "device; set TRITON_INTERPRET=1 for a smoke run on tiny shapes under the Triton interpreter "
-            "(it checks the kernels run, it measures nothing).",
+            f"portaserve bench kernels: platform {platform.name} has no 'triton' feature (no GPU here, or triton is "
+            "not installed). The Triton kernels need a CUDA, ROCm or XPU device; set TRITON_INTERPRET=1 for a "
+            "smoke run on tiny shapes under the Triton interpreter (it checks the kernels run, it measures nothing).",
             file=sys.stderr,
         )
         return 2
+    smoke = interpreting()
     for param in ("iters", "warmup"):
         value = getattr(args, param)
         if value is not None and value < (1 if param == "iters" else 0):
@@ -318,14 +334,14 @@ def main(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if smoke else 10)
     dtype = DTYPES[args.dtype]
     shapes = TINY if smoke else Shapes()
-    timer = Timer(device)
+    timer = Timer(device, lambda: platform.synchronize(local_rank))
 
     copy_gbps = measure_copy_gbps(timer, shapes, iters, warmup)
     matmul_tflops = measure_matmul_tflops(timer, shapes, dtype, iters, warmup)
     results = bench_elementwise(timer, shapes, dtype, iters, warmup) + bench_attention(timer, shapes, dtype, iters, warmup)
 
     clock = "device events" if timer.uses_events else "wall clock"
-    print(f"device {device} ({_device_name(device)}), dtype {args.dtype}, {iters} timed calls after {warmup} warm-up, {clock}")
+    print(f"device {device} ({platform.info.device_name}), dtype {args.dtype}, {iters} timed calls after {warmup} warm-up, {clock}")
     if smoke:
         print("TRITON_INTERPRET=1: tiny shapes through the interpreter; the numbers below are not performance")
     print(f"reference: copy {copy_gbps:.1f} GB/s, matmul {matmul_tflops:.2f} TFLOP/s ({args.dtype}, n={shapes.matmul_size})")
@@ -336,7 +352,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "device": str(device),
-            "device_name": _device_name(device),
+            "device_name": platform.info.device_name,
             "dtype": args.dtype,
             "iters": iters,
             "warmup": warmup,
@@ -349,10 +365,3 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
     return 0
-
-
-def _device_name(device: torch.device) -> str:
-    backend = getattr(torch, device.type, None)
-    if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_name"):
-        return backend.get_device_name(device)
-    return "host CPU"

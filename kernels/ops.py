@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from portaserve.framework.interfaces.ops import OpImpl
 
-TRITON_OP_PLATFORMS = frozenset({"cuda", "rocm", "xpu"})
-
 _FUNCTIONS = {
     "rms_norm": "portaserve.kernels.rms_norm:rms_norm",
     "fused_add_rms_norm": "portaserve.kernels.rms_norm:fused_add_rms_norm",
@@ -18,10 +16,11 @@ _FUNCTIONS = {
 }
 
 
-def triton_ops(platforms: frozenset[str] = TRITON_OP_PLATFORMS, priority: int = 0) -> list[OpImpl]:
+def triton_ops(platforms: frozenset[str], priority: int = 0) -> list[OpImpl]:
     """One OpImpl ("triton", needing the "triton" feature) per fused op.
 
-    :param platforms: the platforms to declare (a platform plugin passes its own name).
+    :param platforms: the platforms to declare them for: a platform plugin with the
+        "triton" feature passes its own name.
     """
     return [
         OpImpl(op=op, name="triton", platforms=frozenset(platforms), fn=fn, required_features=frozenset({"triton"}), priority=priority)

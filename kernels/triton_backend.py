@@ -17,12 +17,12 @@ where triton is absent; the kernels are imported when a backend is instantiated.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from portaserve.framework import device_properties
 from portaserve.framework.interfaces import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 #: Programs per compute unit that keep a GPU busy; below that, decode splits its context.
 PROGRAMS_PER_UNIT = 2
-#: The interpreter has no compute units; a small target still exercises split-K there.
+#: Where the platform published no compute units (the interpreter has none): a small
+#: target, which still exercises split-K there.
 INTERPRETER_TARGET_PROGRAMS = 8
 
 
@@ -49,18 +50,13 @@ class TritonAttentionMetadata(AttentionMetadata):
     work: "AttentionWork"
 
 
-@functools.lru_cache(maxsize=None)
 def target_programs(device: torch.device) -> int:
-    """Programs that fill `device` (about two per SM / CU / Xe-core)."""
-    units = None
-    if device.type == "cuda":  # NVIDIA and ROCm builds alike
-        units = torch.cuda.get_device_properties(device).multi_processor_count
-    elif device.type == "xpu":
-        props = torch.xpu.get_device_properties(device)
-        units = getattr(props, "gpu_subslice_count", None) or getattr(props, "max_compute_units", None)
+    """Programs that fill `device`: about two per compute unit (SM / CU / Xe-core), as its
+    platform reports them (`Platform.compute_units`, published by the worker)."""
+    units = device_properties.compute_units(device)
     if not units:
         return INTERPRETER_TARGET_PROGRAMS
-    return PROGRAMS_PER_UNIT * int(units)
+    return PROGRAMS_PER_UNIT * units
 
 
 def _new_output(q: torch.Tensor) -> torch.Tensor:
@@ -83,7 +79,9 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-    platforms = frozenset({"cuda", "rocm", "xpu", "cpu"})
+    # Any platform that declares the "triton" feature (a vendor's plugin included; the CPU
+    # under the Triton interpreter too): nothing here names a platform.
+    platforms = None
     supported_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     supported_kv_cache_dtypes = frozenset({"auto", "fp8"})
     # padded to a power of two inside the kernels; >= 16, the smallest tl.dot dimension

@@ -285,3 +285,21 @@ def fake_devices(monkeypatch, tmp_path) -> FakeDevices:
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     return FakeDevices(monkeypatch, tmp_path)
 
+
+@pytest.fixture(scope="session")
+def engine_checkpoint(tmp_path_factory):
+    """make(arch, size, seed, **options): a random-weight checkpoint folder (with the real
+    Qwen2 tokenizer), written once per session per argument set."""
+    from portaserve.models.checkpoints import write_checkpoint
+
+    made: dict[tuple, str] = {}
+
+    def make(arch: str = "Qwen2ForCausalLM", size: str = "tiny", seed: int = 0, **options) -> str:
+        key = (arch, size, seed, tuple(sorted(options.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"engine-{arch}")
+            write_checkpoint(arch, size, folder, seed, **options)
+            made[key] = str(folder)
+        return made[key]
+
+    return make

@@ -23,7 +23,7 @@ class Benchmark:
 
 
 def _kernels_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="torch device to time on (default: the current accelerator)")
+    p.add_argument("--device", default="auto", help="platform to time on: auto (what the engine would pick), a platform name, or NAME:LOCAL_RANK")
     p.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="activation and KV dtype (default bfloat16)"
     )

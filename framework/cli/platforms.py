@@ -126,13 +126,43 @@ def _platform_entry(registry: PluginRegistry, report) -> dict[str, Any]:
                 "compile_backends": dict(caps.compile_backends),
                 "default_compilation_mode": caps.default_compilation_mode,
                 "serving_prefill_cap": caps.serving_prefill_cap,
+                "block_sizes": sorted(caps.block_sizes),
+                "default_block_size": caps.default_block_size,
+                "preferred_dtypes": [str(d).removeprefix("torch.") for d in caps.preferred_dtypes],
             }
+            entry["warnings"] = default_warnings(registry, platform)
             entry["preferred_attention_backends"] = list(platform.preferred_attention_backends())
             entry["default_communicator"] = platform.default_communicator()
             entry["default_kv_cache_allocator"] = platform.default_kv_cache_allocator()
         except Exception as exc:  # a defect of that plugin: shown, not fatal here
             entry["error"] = f"capabilities raised {type(exc).__name__}: {exc}"
     return entry
+
+
+def default_warnings(registry: PluginRegistry, platform) -> list[str]:
+    """What stops `platform` from serving with the engine's defaults (no flags): its default
+    block size unserved by its attention backends, the default KV dtype unsupported, or a
+    default component missing. Empty when an engine can start there without flags."""
+    caps = platform.capabilities()
+    out = []
+    if "auto" not in caps.kv_cache_dtypes:
+        out.append(f"kv_cache_dtypes {sorted(caps.kv_cache_dtypes)} lack the default 'auto'")
+    backends = {}
+    for name, cls in registry.load_all("attention_backends").items():
+        if cls.runs_on(platform.name) and not cls.required_features - caps.features:
+            backends[name] = cls
+    serving = [n for n, cls in backends.items() if caps.default_block_size in cls.supported_block_sizes]
+    if not backends:
+        out.append("no attention backend is registered for it")
+    elif not serving:
+        sizes = "; ".join(f"{n}: {sorted(c.supported_block_sizes)}" for n, c in sorted(backends.items()))
+        out.append(f"its default block size {caps.default_block_size} is served by none of its attention backends ({sizes})")
+    for kind, wanted in (("kv_cache_allocators", platform.default_kv_cache_allocator()),
+                         ("communicators", platform.default_communicator())):
+        cls = registry.load_all(kind).get(wanted)
+        if cls is None or platform.name not in cls.platforms:
+            out.append(f"its default {kind[:-1].replace('_', ' ')} {wanted!r} is not registered for it")
+    return out
 
 
 def _choice(choice) -> dict[str, Any]:
@@ -199,8 +229,11 @@ def render(doc: dict[str, Any]) -> str:
             if caps:
                 lines.append(
                     f"  {'':<{w}}  dtypes {', '.join(caps['dtypes'])}; kv cache {', '.join(caps['kv_cache_dtypes'])}; "
-                    f"features {', '.join(caps['features']) or '-'}"
+                    f"features {', '.join(caps['features']) or '-'}; block sizes "
+                    f"{', '.join(map(str, caps['block_sizes']))} (default {caps['default_block_size']})"
                 )
+            for warning in p.get("warnings", []):
+                lines.append(f"  {'':<{w}}  warning: cannot serve the engine's defaults: {warning}")
         else:
             lines.append(f"  {p['name']:<{w}}  unavailable  {p['reason']}")
         if p["error"] and p["error"] != p["reason"]:

@@ -34,12 +34,12 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         config = spec.config
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching and not spec.is_pooling)
+        self.block_manager = BlockManager(num_blocks, spec.plan.block_size, enable_caching=config.enable_prefix_caching and not spec.is_pooling)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=default_num_batched_tokens(spec),
             max_model_len=spec.max_model_len,
-            block_size=config.block_size,
+            block_size=spec.plan.block_size,
             enable_chunked_prefill=config.enable_chunked_prefill and not spec.is_pooling,
             scheduling_policy=config.scheduling_policy,
             max_prefill_tokens_with_decodes=spec.plan.prefill_cap_with_decodes,
@@ -53,8 +53,8 @@ class EngineCore:
             "engine ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - t0,
             num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
+            spec.plan.block_size,
+            num_blocks * spec.plan.block_size,
         )
 
     def add_request(self, request: Request) -> None:

@@ -21,7 +21,7 @@ from portaserve.framework.checkpoint import (
     resolve_model_path,
 )
 from portaserve.framework.config import EngineConfig
-from portaserve.framework.errors import InvalidParameterError
+from portaserve.framework.errors import InvalidParameterError, UnsupportedError
 from portaserve.framework.plan import ExecutionPlan, resolve_plan
 from portaserve.framework.plugins import PluginRegistry, get_registry
 from portaserve.framework.selection import choose_platform
@@ -55,11 +55,20 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
 
         cluster_key()
     registry = registry or get_registry(strict=config.strict_plugins or None)
-    choice = choose_platform(registry, config.device, strict=config.strict_plugins or None)  # None: PORTASERVE_STRICT_PLUGINS decides
     model_path, default_name = _model_location(config)
     hf_config = load_hf_config(model_path)
+
+    def can_serve(candidate) -> str | None:
+        try:
+            resolve_plan(config, registry, candidate, hf_config)
+        except UnsupportedError as exc:
+            return str(exc)
+        return None
+
+    # None: PORTASERVE_STRICT_PLUGINS decides
+    choice = choose_platform(registry, config.device, strict=config.strict_plugins or None, can_serve=can_serve)
     plan = resolve_plan(config, registry, choice, hf_config)
-    arch = registry.get("model_architectures", plan.model_architecture.name)
+    arch = registry.architecture(plan.model_architecture.name, plan.platform.name)
     limit, source = arch.max_model_len(hf_config), "max_position_embeddings"
     st_limit = hf_config.get("portaserve_max_seq_length")
     if st_limit and st_limit < limit:

@@ -10,18 +10,19 @@ model runner uses for `model(input_ids, positions, step)`:
   torch specializes); "max" adds inductor's max-autotune GEMM search. Compiled kernels
   land in inductor's on-disk caches under portaserve's cache folder
   (`compile_cache_dir()`), so a second start with the same model and torch reuses them.
-- "openxla" (TPU) -> the same wrapper with torch_xla's dynamo backend.
-- "cudagraphs" (CUDA/ROCm "default") -> `CudaGraphForward`: pure-decode steps padded
-  to a batch-size bucket and replayed from a CUDA graph captured per bucket; every
-  other step runs eagerly.
+- a backend the platform records graphs for (`Platform.graph_capture` returns a
+  recorder: CUDA graphs for CUDA/ROCm "default") -> `DecodeGraphForward`: pure-decode
+  steps padded to a batch-size bucket and replayed from a graph captured per bucket;
+  every other step runs eagerly.
+- any other name (TPU's "openxla") -> `TorchCompileForward` with that dynamo backend.
 
 Attention stays out of the graphs: its metadata is Python objects that change every
 step (sequence groups, split counts), which would make dynamo re-specialize without end.
 Each attention layer is wrapped (`OpaqueAttention`) so that while compiling it becomes
 one call of the custom op `portaserve::attention`, which runs the layer eagerly with the
-step's context (set around every compiled call). CUDA graphs instead capture attention
+step's context (set around every compiled call). Decode graphs instead capture attention
 too, from metadata built for the padded batch, and copy each new step's metadata into
-the captured tensors before a replay (see `CudaGraphForward`).
+the captured tensors before a replay (see `DecodeGraphForward`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from portaserve.framework.interfaces import AttentionBackend, AttentionBatch
+from portaserve.framework.interfaces.graph_capture import CapturedGraph, GraphCapture
 from portaserve.framework.layer_context import StepContext
 from portaserve.framework.plan import ExecutionPlan
 
@@ -146,7 +148,7 @@ def make_attention_opaque(model: nn.Module) -> list[nn.Module]:
 class EagerForward:
     """`model(input_ids, positions, step)`, no compilation (and the base of the others)."""
 
-    #: KV-cache blocks the forward needs beyond the scheduler's (CUDA graphs' padding sink)
+    #: KV-cache blocks the forward needs beyond the scheduler's (decode graphs' padding sink)
     num_reserved_blocks = 0
     description = "eager"
 
@@ -183,7 +185,7 @@ class TorchCompileForward(EagerForward):
             return self.compiled(input_ids, positions, step)
 
 
-# ----- CUDA graphs for decode -------------------------------------------------------------
+# ----- graphs for decode -------------------------------------------------------------------
 
 
 def decode_buckets(max_num_seqs: int, largest: int = 256) -> tuple[int, ...]:
@@ -276,34 +278,18 @@ def copy_tensors(dst: Any, src: Any) -> None:
             copy_tensors(dst[k], src[k])
 
 
-class TorchCudaGraphs:
-    """Capture through torch.cuda.CUDAGraph (NVIDIA and ROCm builds alike), one shared pool."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pool = None
-
-    def capture(self, fn: Callable[[], torch.Tensor]):
-        """Record `fn` into a graph; returns (graph with .replay(), its static output)."""
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
-        self.pool = graph.pool()
-        return graph, out
-
-
 @dataclasses.dataclass
 class _CapturedDecode:
-    graph: Any
+    graph: CapturedGraph | None
     input_ids: torch.Tensor  # [bucket] static
     positions: torch.Tensor  # [bucket] static
     step: StepContext  # its metadata tensors are the graph's static inputs
     output: torch.Tensor  # [bucket, hidden] static
 
 
-class CudaGraphForward(EagerForward):
-    """Decode steps replayed from per-bucket graphs; everything else eager.
+class DecodeGraphForward(EagerForward):
+    """Decode steps replayed from per-bucket graphs (recorded by the platform's
+    `GraphCapture`); everything else eager.
 
     `prepare` pads a pure decode step of at most the largest bucket's sequences (see
     `pad_decode_batch`); the first step of each bucket runs eagerly (warming up kernels)
@@ -321,8 +307,7 @@ class CudaGraphForward(EagerForward):
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
-        device: torch.device,
-        graphs: Any = None,
+        graphs: GraphCapture,
         buckets: Sequence[int] | None = None,
     ) -> None:
         super().__init__(model)
@@ -330,12 +315,15 @@ class CudaGraphForward(EagerForward):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.graphs = graphs if graphs is not None else TorchCudaGraphs(device)
+        self.graphs = graphs
         self.captured: dict[int, _CapturedDecode] = {}
         self.pad_slot: int | None = None  # set by the runner once the KV cache exists
         self._bucket: int | None = None  # the bucket `prepare` padded the current step to
         self.num_replays = 0
-        self.description = f"CUDA graphs for decode batches of {self.buckets[0]}..{self.buckets[-1]} sequences"
+        self.description = (
+            f"decode batches of {self.buckets[0]}..{self.buckets[-1]} sequences replayed from graphs "
+            f"recorded by {type(graphs).__name__}"
+        )
 
     def set_num_blocks(self, num_blocks: int) -> None:
         """The padding block is the one after the scheduler's; graphs captured over an older
@@ -386,23 +374,27 @@ INDUCTOR_MODES = {"default": None, "max": "max-autotune-no-cudagraphs"}
 def build_forward(
     model: nn.Module,
     plan: ExecutionPlan,
-    device: torch.device,
     *,
     max_num_seqs: int,
     max_model_len: int,
     is_pooling: bool = False,
+    graph_capture: GraphCapture | None = None,
 ) -> EagerForward:
     """The forward the plan's compilation choice asks for (see the module docstring).
 
-    :param is_pooling: an encoder (no KV cache, no decode steps): CUDA graphs do not apply.
+    :param is_pooling: an encoder (no KV cache, no decode steps): decode graphs do not apply.
+    :param graph_capture: the platform's recorder for `plan.compile_backend`
+        (`Platform.graph_capture`), None when that backend is a torch.compile one.
     """
     mode, backend = plan.compilation.name, plan.compile_backend
     if mode == "none" or backend is None:
         return EagerForward(model)
-    if backend == "cudagraphs":
+    if graph_capture is not None:
         if is_pooling:
             return EagerForward(model)
-        return CudaGraphForward(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=plan.block_size, device=device)
+        return DecodeGraphForward(
+            model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=plan.block_size, graphs=graph_capture
+        )
     if backend == "inductor":
         return TorchCompileForward(model, "inductor", INDUCTOR_MODES.get(mode))
     # any other dynamo backend a platform names ("openxla" on TPU), in its default mode

@@ -68,7 +68,7 @@ class ModelRunner:
         self.tp_size = tp_size
         self.communicator = communicator
         self.block_size = self.plan.block_size
-        self.arch_cls = registry.get("model_architectures", self.plan.model_architecture.name)
+        self.arch_cls = registry.architecture(self.plan.model_architecture.name, self.plan.platform.name)
         self.layer_types = list(self.arch_cls.attention_layer_types(spec.hf_config))
         # Backend instances used to build per-step metadata (stateless besides their spec).
         self.backends = LayerContext.from_plan(self.plan, registry, self.device, tp_rank, tp_size).attention_backends()
@@ -79,7 +79,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.requests: dict[str, _RequestState] = {}
         self.sampling = SamplingState()
-        self.sampler = Sampler()
+        # the platform's features say which of the sampler's host fast paths pay off here
+        self.sampler = Sampler(features=frozenset(self.plan.platform_features))
         self.allocator: KVCacheAllocator = registry.get("kv_cache_allocators", self.plan.kv_cache_allocator.name)(self.device)
         # --logits-processors: one instance per worker, applied to every request.
         self.extra_logits_processors = [import_object(name)() for name in spec.config.logits_processors or ()]
@@ -96,13 +97,14 @@ class ModelRunner:
             tp_size=self.tp_size,
             communicator=self.communicator,
         )
+        backend = self.plan.compile_backend
         self.forward = build_forward(
             self.model,
             self.plan,
-            self.device,
             max_num_seqs=self.spec.config.max_num_seqs,
             max_model_len=self.spec.max_model_len,
             is_pooling=self.spec.is_pooling,
+            graph_capture=self.platform.graph_capture(backend, self.local_rank) if backend is not None else None,
         )
         if self.plan.compilation.name != "none":
             logger.info("compilation: %s", self.forward.description)
@@ -130,7 +132,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        # the forward may need blocks of its own past the scheduler's (CUDA graphs' padding)
+        # the forward may need blocks of its own past the scheduler's (decode graphs' padding)
         reserved = self.forward.num_reserved_blocks if self.forward is not None else 0
         if self.forward is not None:
             self.forward.set_num_blocks(num_blocks)
@@ -303,7 +305,9 @@ class ModelRunner:
             for c in range(0, rows.numel(), PROMPT_LOGPROBS_CHUNK):
                 logits = self.model.compute_logits(hidden.index_select(0, rows[c : c + PROMPT_LOGPROBS_CHUNK]))
                 tgt = targets[c : c + PROMPT_LOGPROBS_CHUNK]
-                lp, rank, top_ids, top_lp = compute_prompt_logprobs(logits, tgt.to(logits.device), k)
+                lp, rank, top_ids, top_lp = compute_prompt_logprobs(
+                    logits, tgt.to(logits.device), k, blocked=self.sampler.block_reductions
+                )
                 for j in range(tgt.numel()):
                     entries.append(
                         Logprobs(

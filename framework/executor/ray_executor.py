@@ -1,12 +1,12 @@
 """`RayExecutor` (`--distributed-executor-backend ray`): one Ray actor per tensor-parallel rank.
 
-The ranks are placed by a placement group with one bundle per rank — `{"GPU": 1}` on
-platforms whose devices Ray schedules as GPUs (cuda, rocm), `{"CPU": 1}` otherwise — so
-they may span every node of a Ray cluster. Each actor runs the same `Worker` as the
-other executors; the driver sends each step's SchedulerOutput to every actor and rank
-0's reply carries the output. Ranks rendezvous for their Communicator at rank 0's node.
-An actor that dies, or a worker method that raises, fails the engine with the rank and
-the error as soon as Ray reports it; nothing waits for the other ranks.
+The ranks are placed by a placement group with one bundle per rank — one unit of the
+resource the platform names (`Platform.ray_resource`: "GPU", "TPU", ...), else
+`{"CPU": 1}` — so they may span every node of a Ray cluster. Each actor runs the same
+`Worker` as the other executors; the driver sends each step's SchedulerOutput to every
+actor and rank 0's reply carries the output. Ranks rendezvous for their Communicator at
+rank 0's node. An actor that dies, or a worker method that raises, fails the engine with
+the rank and the error as soon as Ray reports it; nothing waits for the other ranks.
 
 Ray is an optional dependency (`pip install 'portaserve[ray]'`), imported only here. An
 initialized Ray (`ray.init(...)` by the caller, or `RAY_ADDRESS`) is used as it is;
@@ -22,6 +22,8 @@ from typing import Any
 from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.errors import EngineDeadError, UnsupportedError
+from portaserve.framework.interfaces import Platform
+from portaserve.framework.plugins import get_registry
 
 from .executor import Executor
 
@@ -31,8 +33,6 @@ logger = logging.getLogger("portaserve")
 POLL_INTERVAL_S = 1.0
 #: How long the placement group may take to find room for every rank (seconds).
 PLACEMENT_TIMEOUT_S = 120.0
-#: Platform name -> the Ray resource one rank takes; anything else takes a CPU.
-RAY_DEVICE_RESOURCES = {"cuda": "GPU", "rocm": "GPU"}
 
 
 def import_ray():
@@ -46,10 +46,9 @@ def import_ray():
     return ray
 
 
-def bundle_for(platform_name: str, platform: Any = None) -> dict[str, float]:
+def bundle_for(platform_cls: type[Platform]) -> dict[str, float]:
     """The placement-group bundle of one rank on this platform."""
-    resource = getattr(platform, "ray_resource", None) or RAY_DEVICE_RESOURCES.get(platform_name, "CPU")
-    return {resource: 1.0}
+    return {platform_cls.ray_resource or "CPU": 1.0}
 
 
 class RayWorkerWrapper:
@@ -99,7 +98,7 @@ class RayExecutor(Executor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(log_to_driver=False)
-        bundle = bundle_for(spec.plan.platform.name)
+        bundle = bundle_for(get_registry().platforms[spec.plan.platform.name])
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         self.actors: list[Any] = []
         try:
@@ -123,13 +122,13 @@ class RayExecutor(Executor):
             nodes = self._gather([a.node.remote() for a in self.actors])
             _, ip, port = nodes[0]
             init_method = f"tcp://{ip}:{port}"
-            # Ray gives each GPU actor only its own device, so it is local rank 0 there;
-            # CPU ranks on one node are numbered (the CPU platform shares the host).
-            gpu = "GPU" in bundle
+            # Ray shows an actor that reserved a device only that device, so it is local
+            # rank 0 there; CPU ranks on one node are numbered (the CPU platform shares the host).
+            isolated = "CPU" not in bundle
             seen: dict[str, int] = {}
             local_ranks = []
             for node_id, _, _ in nodes:
-                local_ranks.append(0 if gpu else seen.get(node_id, 0))
+                local_ranks.append(0 if isolated else seen.get(node_id, 0))
                 seen[node_id] = seen.get(node_id, 0) + 1
             self._gather([
                 a.init_worker.remote(spec, rank, self.world_size, local_ranks[rank], init_method)

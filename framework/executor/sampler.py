@@ -68,6 +68,15 @@ from portaserve.framework.executor.sampling_state import PenaltyTensors, RandomG
 NUM_CANDIDATES = 256
 CANDIDATE_GROWTH = 16
 
+# Platform features (PlatformCapabilities.features) that turn on the sampler's fast paths
+# for a host CPU; a device without them gets torch's own kernels and allocator.
+#: torch's argmax and topk over a long row are slower here than amax over blocks of it
+#: (see `argmax_rows`, `topk_rows`).
+BLOCK_REDUCTIONS = "sampler_block_reductions"
+#: the device has no caching allocator, so a fresh [rows, vocab] buffer costs page faults
+#: every step: the sampler keeps its scratch buffers (see `_Workspace`).
+REUSE_BUFFERS = "sampler_reuse_buffers"
+
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
@@ -90,19 +99,21 @@ class SamplerOutput:
 
 
 class _Workspace:
-    """Reusable float32 [rows, vocab] scratch tensors, one per name and device.
+    """Float32 [rows, vocab] scratch tensors, one per name and device.
 
     A [64, 152k] float32 tensor is ~39 MB: on the CPU every fresh allocation that size is
-    a new mmap whose page faults cost more than the arithmetic, so the sampler reuses them.
-    Accelerators' caching allocators already reuse memory; there a buffer is allocated per
-    use, so the sampler holds nothing between steps beside the KV cache.
+    a new mmap whose page faults cost more than the arithmetic, so there (`reuse`: the
+    platform declares `REUSE_BUFFERS`) the sampler keeps them. Accelerators' caching
+    allocators already reuse memory; there a buffer is allocated per use, so the sampler
+    holds nothing between steps beside the KV cache.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reuse: bool = False) -> None:
+        self.reuse = reuse
         self._bufs: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def get(self, name: str, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
+        if not self.reuse:
             return torch.empty(rows, vocab, dtype=torch.float32, device=device)
         key = (name, device)
         buf = self._bufs.get(key)
@@ -121,15 +132,16 @@ def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
 _ARGMAX_BLOCK = 1024
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, *, blocked: bool = False) -> torch.Tensor:
     """`x.argmax(-1)` (first index on ties) for a [N, V] float tensor.
 
-    On the CPU, torch's argmax is several times slower than its vectorised amax, so large
-    rows go through block maxima: the first block holding the row maximum, then the
-    first maximum inside it — the same index argmax returns.
+    On the CPU, torch's argmax is several times slower than its vectorised amax, so there
+    (`blocked`: the platform declares `BLOCK_REDUCTIONS`) large rows go through block
+    maxima: the first block holding the row maximum, then the first maximum inside it —
+    the same index argmax returns.
     """
     n, vocab = x.shape
-    if x.device.type != "cpu" or vocab < 8 * _ARGMAX_BLOCK or x.stride(1) != 1 or n == 0:
+    if not blocked or vocab < 8 * _ARGMAX_BLOCK or x.stride(1) != 1 or n == 0:
         return x.argmax(dim=-1)
     size = _ARGMAX_BLOCK
     num_full = vocab // size
@@ -145,19 +157,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 _TOPK_BLOCK = 64
 
 
-def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_rows(x: torch.Tensor, k: int, *, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.topk(x, k)` (values descending; which of several tied k-th values are kept is
     unspecified) for a [N, V] float tensor.
 
-    On the CPU, large rows go through block maxima: the k largest values lie in the k
-    blocks with the largest maxima (a block left out has k chosen blocks whose maxima
-    are >= its own), so a topk over the block maxima, a gather of those blocks and a
-    topk over them give every value above the k-th — at a fraction of torch's cost.
+    With `blocked` (the CPU: `BLOCK_REDUCTIONS`), large rows go through block maxima: the
+    k largest values lie in the k blocks with the largest maxima (a block left out has k
+    chosen blocks whose maxima are >= its own), so a topk over the block maxima, a gather
+    of those blocks and a topk over them give every value above the k-th — at a fraction
+    of torch's cost.
     """
     n, vocab = x.shape
     size = _TOPK_BLOCK
     num_full = vocab // size
-    if x.device.type != "cpu" or num_full < 4 * k or x.stride(1) != 1 or n == 0:
+    if not blocked or num_full < 4 * k or x.stride(1) != 1 or n == 0:
         return torch.topk(x, k, dim=-1)
     # full blocks compete; the ragged tail (< one block) is always a candidate
     block_max = x[:, : num_full * size].view(n, num_full, size).amax(dim=-1)  # [n, num_full]
@@ -186,13 +199,14 @@ def _count_at_least(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
-                   scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                   scratch: torch.Tensor | None = None, *, blocked: bool = False) -> tuple[torch.Tensor, ...]:
     """Raw logprobs of `token_ids`, their ranks, and the top-k (ids, logprobs), on the CPU.
 
     :param logits: [N, V] raw logits (any float dtype).
     :param token_ids: [N] int64 on the logits' device.
     :param k: number of top entries (0 gives [N, 0] tensors).
     :param scratch: optional float32 [N, V] buffer to compute in.
+    :param blocked: top-k through block maxima (`topk_rows`).
     :returns: (logprob [N] float32, rank [N] int64, top ids [N, k] int64, top logprobs [N, k] float32).
     """
     x = logits.float()
@@ -205,7 +219,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
     # A few more top entries than asked give it directly when the token is above the
     # last of them (every token >= it is then among them); other rows count the row.
     num_top = min(max(k, _RANK_TOP) + 1, vocab)
-    top_vals, top_ids = topk_rows(x, num_top)  # [N, num_top]
+    top_vals, top_ids = topk_rows(x, num_top, blocked=blocked)  # [N, num_top]
     rank = (top_vals >= picked).sum(dim=-1)
     outside = (picked.view(-1) <= top_vals[:, -1]) & (num_top < vocab)
     if bool(outside.any()):
@@ -216,7 +230,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
     return (picked - lse).view(-1).cpu(), rank.cpu(), top_ids.cpu(), top_lp.cpu()
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int, *,
+                            blocked: bool = False) -> tuple[torch.Tensor, ...]:
     """Prompt logprobs of one chunk of positions: row i's logits scored against target i.
 
     Stateless per row, so a long prompt can be processed in chunks of any size.
@@ -224,17 +239,21 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: i
     :param logits: [N, V] raw logits of N prompt positions.
     :param target_ids: [N] the actual next prompt tokens.
     :param k: how many top logprobs to return per position.
+    :param blocked: top-k through block maxima (`topk_rows`; `Sampler.block_reductions`).
     :returns: (target logprob [N], rank [N], top ids [N, k], top logprobs [N, k]) on the CPU.
     """
-    return token_logprobs(logits, target_ids.to(logits.device), k)
+    return token_logprobs(logits, target_ids.to(logits.device), k, blocked=blocked)
 
 
 class Sampler:
     """Turns a step's logits into tokens (and logprobs), following `SamplingMetadata`."""
 
-    def __init__(self, num_candidates: int = NUM_CANDIDATES) -> None:
+    def __init__(self, num_candidates: int = NUM_CANDIDATES, features: frozenset[str] = frozenset()) -> None:
+        """:param features: the platform's declared features; `BLOCK_REDUCTIONS` and
+        `REUSE_BUFFERS` turn on the fast paths for a host CPU."""
         self.num_candidates = num_candidates
-        self._ws = _Workspace()
+        self.block_reductions = BLOCK_REDUCTIONS in features
+        self._ws = _Workspace(reuse=REUSE_BUFFERS in features)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.
@@ -256,7 +275,7 @@ class Sampler:
             self._apply_edits(work, meta, failed)
 
         if meta.all_greedy:
-            sampled = argmax_rows(work)
+            sampled = argmax_rows(work, blocked=self.block_reductions)
         else:
             sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
             groups = [(meta.greedy_rows, None), (None if meta.plain is None else meta.plain.rows, meta.plain),
@@ -269,7 +288,7 @@ class Sampler:
                 else:
                     x = torch.index_select(work, 0, rows, out=self._ws.get("rows", rows.numel(), vocab, device))
                 if group is None:
-                    tokens = argmax_rows(x)
+                    tokens = argmax_rows(x, blocked=self.block_reductions)
                 else:
                     draw = self._draw_plain if group is meta.plain else self._draw_truncated
                     try:
@@ -291,7 +310,9 @@ class Sampler:
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled.cpu(), None, None, None, None, failures)
         scratch = self._ws.get("tmp", num_rows, vocab, device)
-        lp, rank, top_ids, top_lp = token_logprobs(raw, sampled, meta.max_num_logprobs, scratch)
+        lp, rank, top_ids, top_lp = token_logprobs(
+            raw, sampled, meta.max_num_logprobs, scratch, blocked=self.block_reductions
+        )
         return SamplerOutput(sampled.cpu(), lp, rank, top_ids, top_lp, failures)
 
     def processed_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -401,14 +422,14 @@ class Sampler:
             xs = x if every else x.index_select(0, rows)
             sub = [None if t is None else (t if every else t.index_select(0, rows))
                    for t in (top_k, group.top_p, group.min_p, group.temperature, group.uniforms, full_mass)]
-            tokens, ok, unsure = _draw_candidates(xs, k, *sub)
+            tokens, ok, unsure = _draw_candidates(xs, k, *sub, blocked=self.block_reductions)
             if full_mass is not None and bool(unsure.any()):
                 redo = unsure.nonzero().view(-1)
                 xr = xs.index_select(0, redo)
                 rsub = [None if t is None else t.index_select(0, redo) for t in sub]
                 rsub[5] = self._full_mass(xr, rsub[2], rsub[3])
                 full_mass[rows[redo]] = rsub[5]
-                tokens[redo], ok[redo], _ = _draw_candidates(xr, k, *rsub)
+                tokens[redo], ok[redo], _ = _draw_candidates(xr, k, *rsub, blocked=self.block_reductions)
             if k == vocab or bool(ok.all()):
                 out[rows] = tokens
                 return out
@@ -433,21 +454,21 @@ class Sampler:
         return e.sum(dim=-1)
 
 
-def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass=None):
+def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass=None, *, blocked=False):
     """Draw each row from its k largest logits; `ok` says whether that was exact.
 
     x: [n, V] logits; top_k: [n] int64 | None; top_p, min_p, temperature, uniforms,
     full_mass (the exact top-p normaliser; NaN where unknown, and bounds are used): [n]
     float32 | None.
     Returns (tokens [n] int64, ok [n] bool, unsure [n] bool: the bounds left a top-p
-    cut undecided, which `full_mass` would settle).
+    cut undecided, which `full_mass` would settle). `blocked`: see `topk_rows`.
     """
     n, vocab = x.shape
     if k >= vocab:
         # canonical order directly: a stable descending sort keeps ties in id order
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
     else:
-        vals, ids = topk_rows(x, k)
+        vals, ids = topk_rows(x, k, blocked=blocked)
         # canonical tie order: id ascending, then a stable sort by value
         ids, perm = torch.sort(ids, dim=-1)
         vals = vals.gather(1, perm)

@@ -18,17 +18,15 @@ broadcast by a trainer over a collective. It goes through three phases:
 
 Staging holds a second copy of the parameters an update changes until it commits.
 
-A trainer joins the engine's ranks in a separate process group (`WeightUpdateCommunicator`:
-the trainer is rank 0, engine rank r is `rank_offset + r`), built with the platform
-communicator's torch.distributed backend (gloo on CPU, nccl on CUDA) but outside the
-engine's own default group. Each update starts with a verdict all-reduce, so a rejected
-update never leaves the trainer blocked in a broadcast nobody receives; see
-`TrainerWeightSender`.
+A trainer joins the engine's ranks in a separate process group, which the platform's
+communicator builds (`Communicator.weight_update_group`: the trainer is rank 0, engine
+rank r is `rank_offset + r`) outside the engine's own tensor-parallel group. Each update
+starts with a verdict all-reduce, so a rejected update never leaves the trainer blocked
+in a broadcast nobody receives; see `TrainerWeightSender`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -38,16 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from portaserve.framework.errors import InvalidParameterError, UnsupportedError, invalid
+from portaserve.framework.distributed import StandaloneGroupCommunicator
+from portaserve.framework.errors import InvalidParameterError, invalid
 from portaserve.framework.interfaces import Communicator
+from portaserve.framework.interfaces.communicator import DEFAULT_GROUP_TIMEOUT_S
 
 logger = logging.getLogger("portaserve")
-
-#: Seconds a member of the weight-update group waits for the others (rendezvous, broadcasts).
-DEFAULT_GROUP_TIMEOUT_S = 300.0
 
 # safetensors header dtype codes -> torch dtypes
 _SAFETENSORS_DTYPES = {
@@ -246,7 +242,7 @@ class WeightStager:
             layout = owner[0].quant_method.checkpoint_layout(*owner) if owner is not None else None
             stage = nn.Parameter(layout if layout is not None else param.data.clone(), requires_grad=False)
             for key, value in vars(param).items():  # shard tags (output_dim, ...) travel along
-                if key not in ("weight_loader", "dense_data", "release_packed"):
+                if key != "weight_loader":
                     setattr(stage, key, value)
             entry = (param, stage, layout is not None)
             self.staged[id(param)] = entry
@@ -342,88 +338,6 @@ def stage_safely(stager: WeightStager, weights: Iterable[tuple[str, torch.Tensor
 # ----- the trainer <-> engine group -----------------------------------------------------
 
 
-def _dist_backend(communicator_cls: type | None, fallback: str = "gloo") -> str:
-    return getattr(communicator_cls, "dist_backend", None) or fallback
-
-
-class WeightUpdateCommunicator(Communicator):
-    """A Communicator over its own process group, independent of the default one.
-
-    The engine's workers already belong to their tensor-parallel default group, and
-    torch.distributed allows one default group per process; this group is built directly
-    from a TCPStore (hosted by rank 0, the trainer) and the backend's ProcessGroup class,
-    and its collectives call that group object directly.
-    """
-
-    name = "weight_update"
-    platforms = frozenset()
-
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        master_address: str,
-        master_port: int,
-        backend: str = "gloo",
-        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-    ) -> None:
-        super().__init__(rank, world_size, device)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.backend = backend
-        self.store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
-        prefixed = dist.PrefixStore("portaserve-weights", self.store)
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        elif backend == "xccl" and hasattr(dist, "ProcessGroupXCCL"):
-            self.group = dist.ProcessGroupXCCL(prefixed, rank, world_size)
-        else:
-            raise UnsupportedError(f"weight updates over a collective need a gloo, nccl or xccl backend, not {backend!r}")
-
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        from portaserve.framework.distributed import _OPS
-
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _OPS[op]
-        self.group.allreduce([tensor], opts).wait()
-        return tensor
-
-    def _all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.group.allgather([parts], [tensor]).wait()
-        return torch.cat(parts, dim=dim)
-
-    def _reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        full = self._all_reduce(tensor.clone(), "sum")
-        return full.chunk(self.world_size, dim=dim)[self.rank].contiguous()
-
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        self.group.broadcast([tensor], opts).wait()
-        return tensor
-
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.group.send([tensor.contiguous()], dst, 0).wait()
-
-    def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self.group.recv([tensor], src, 0).wait()
-        return tensor
-
-    def _barrier(self) -> None:
-        self.group.barrier().wait()
-
-    def destroy(self) -> None:
-        self.group = None
-        self.store = None
-
-
 def exchange_verdict(comm: Communicator, rejected: bool) -> bool:
     """Every member says whether it rejects this update; True when nobody does."""
     flag = torch.tensor([1 if rejected else 0], dtype=torch.int32, device=comm.device)
@@ -444,6 +358,10 @@ def receive_weights(
 class TrainerWeightSender:
     """The trainer's side of `update_weights_from_distributed` (rank 0 of the group).
 
+    `backend` must be the one the engine's platform builds its weight-update group with
+    (`Communicator.weight_update_group`: gloo unless the communicator says otherwise;
+    nccl on CUDA and ROCm), `device` one that backend moves tensors of.
+
     >>> sender = TrainerWeightSender("127.0.0.1", 29600, world_size=1 + tp_size)
     >>> # concurrently: engine.init_weight_update_group("127.0.0.1", 29600, 1, 1 + tp_size)
     >>> sender.send(model.named_parameters())   # while the engine runs
@@ -460,7 +378,7 @@ class TrainerWeightSender:
         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     ) -> None:
         self.device = torch.device(device)
-        self.comm = WeightUpdateCommunicator(0, world_size, self.device, master_address, master_port, backend, timeout_s)
+        self.comm = StandaloneGroupCommunicator(0, world_size, self.device, master_address, master_port, backend, timeout_s)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bool:
         """Broadcast the tensors (in the order the engine was told); False when the engine

@@ -11,8 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
-
+from portaserve.framework import device_properties
 from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.executor.model_runner import ModelRunner
@@ -42,6 +41,7 @@ class Worker:
             raise RuntimeError(f"worker rank {where.rank}: platform {name!r} is not installed in this process")
         self.platform = self.registry.platforms[name](spec.plan.device)
         self.platform.init_worker(where.local_rank)
+        device_properties.publish(self.platform, where.local_rank)  # for kernels that size grids by it
         self.communicator: Communicator | None = None
         if where.world_size > 1:
             cls = self.registry.get("communicators", spec.plan.communicator.name)
@@ -90,7 +90,7 @@ class Worker:
     @property
     def _sleep_level(self) -> int:
         """2: weights offloaded (and KV released), 1: KV cache released, 0: awake."""
-        if getattr(self, "_offloaded", None):
+        if getattr(self, "_offloaded", None) is not None:
             return 2
         return 1 if getattr(self, "_kv_released", False) else 0
 
@@ -112,14 +112,13 @@ class Worker:
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  timeout_s: float):
         """Join the trainer's weight-update group as rank `rank_offset + rank` (StageResult)."""
-        from .weight_update import StageResult, WeightUpdateCommunicator, _dist_backend
+        from .weight_update import StageResult
 
         self.destroy_weight_update_group()
         try:
             cls = self.registry.get("communicators", self.spec.plan.communicator.name)
-            self._update_comm = WeightUpdateCommunicator(
-                rank_offset + self.where.rank, world_size, self.runner.device, master_address, master_port,
-                _dist_backend(cls), timeout_s,
+            self._update_comm = cls.weight_update_group(
+                rank_offset + self.where.rank, world_size, self.runner.device, master_address, master_port, timeout_s
             )
         except Exception as exc:  # a failed rendezvous must not take the engine down
             return StageResult(False, error_param="master_address", error=f"cannot join the weight-update group at "
@@ -160,8 +159,8 @@ class Worker:
 
     def sleep(self, level: int) -> dict:
         """Release the KV cache; level 2 also moves the weights to host memory and frees
-        their device storage. Returns the bytes released."""
-        from .weight_update import _unique_params
+        their device storage (see weight_offload.py). Returns the bytes released."""
+        from .weight_offload import OffloadedWeights
 
         runner = self.runner
         kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
@@ -169,22 +168,9 @@ class Worker:
             runner.release_kv_cache()
             self._kv_released = True
         weight_bytes = 0
-        if level >= 2 and not getattr(self, "_offloaded", None):
-            self._offloaded = []
-            for param in _unique_params(runner.model):
-                dense = getattr(param, "dense_data", None)
-                if dense is not None:
-                    # a placeholder for a weight its QuantMethod repacked: keep the values,
-                    # free the packed copy; wake_up repacks
-                    host = dense().to("cpu")
-                    param.release_packed()
-                else:
-                    host = param.data.to("cpu", copy=True)
-                weight_bytes += param.numel() * param.element_size()
-                # an empty tensor in place of the data: the device storage is freed, the
-                # Parameter object (and every tie to it) stays
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                self._offloaded.append((param, host))
+        if level >= 2 and getattr(self, "_offloaded", None) is None:
+            self._offloaded = OffloadedWeights(runner.model)
+            weight_bytes = self._offloaded.num_bytes
         self.platform.synchronize(self.where.local_rank)
         return {"kv_cache_bytes": kv_bytes, "weights_bytes": weight_bytes}
 
@@ -192,15 +178,9 @@ class Worker:
         """Restore what `sleep` released: "weights" back on the device, "kv_cache" reallocated."""
         runner = self.runner
         weight_bytes = kv_bytes = 0
-        if "weights" in tags and getattr(self, "_offloaded", None):
-            for param, host in self._offloaded:
-                param.data = host.to(runner.device)
-                weight_bytes += param.numel() * param.element_size()
-            self._offloaded = []
-            for module in runner.model.modules():
-                weight = getattr(module, "weight", None)
-                if getattr(weight, "dense_data", None) is not None and weight.stride() != (0, 0):
-                    module.quant_method.process_weights_after_loading(module)  # repack
+        if "weights" in tags and getattr(self, "_offloaded", None) is not None:
+            weight_bytes = self._offloaded.restore()
+            self._offloaded = None
         if "kv_cache" in tags and getattr(self, "_kv_released", False):
             runner.initialize_kv_cache(runner.num_blocks)
             kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)

@@ -2,6 +2,7 @@
 
 from .attention import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from .communicator import Communicator
+from .graph_capture import CapturedGraph, GraphCapture
 from .kv_cache import KVCacheAllocator
 from .model import ModelArchitecture
 from .platform import (
@@ -20,8 +21,10 @@ __all__ = [
     "AttentionBatch",
     "AttentionMetadata",
     "AttentionSpec",
+    "CapturedGraph",
     "Communicator",
     "DeviceInfo",
+    "GraphCapture",
     "KVCacheAllocator",
     "ModelArchitecture",
     "Platform",

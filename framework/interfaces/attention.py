@@ -80,8 +80,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
-    #: Platform names this backend runs on.
-    platforms: ClassVar[frozenset[str]]
+    #: Platform names this backend runs on; None: any platform that declares its
+    #: `required_features` (a portable kernel, e.g. one written in Triton).
+    platforms: ClassVar[frozenset[str] | None]
     supported_dtypes: ClassVar[frozenset[torch.dtype]]
     supported_kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto"})
     #: None means any head size.
@@ -93,6 +94,13 @@ class AttentionBackend(ABC):
     max_gqa_ratio: ClassVar[int | None] = None
     #: Platform features the backend needs (e.g. "triton"); see PlatformCapabilities.
     required_features: ClassVar[frozenset[str]] = frozenset()
+    #: The dimension of the `kv_cache_shape` tensor that block ids index: 0 for a
+    #: block-major layout `[num_blocks, ...]`, 1 for vLLM's `[2, num_blocks, block_size,
+    #: kv_heads, head_size]` (K and V planes first). The backend owns the layout: the
+    #: engine allocates exactly `kv_cache_shape` and tells the allocator this dimension
+    #: when it moves blocks (offload, sleep); the conformance kit checks any layout
+    #: through it.
+    kv_cache_block_dim: ClassVar[int] = 0
 
     def __init__(self, spec: AttentionSpec, block_size: int, device: torch.device) -> None:
         reason = self.unsupported_reason(spec, block_size)
@@ -101,6 +109,11 @@ class AttentionBackend(ABC):
         self.spec = spec
         self.block_size = block_size
         self.device = device
+
+    @classmethod
+    def runs_on(cls, platform: str) -> bool:
+        """Whether the backend is declared for `platform` (its features are checked apart)."""
+        return cls.platforms is None or platform in cls.platforms
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec, block_size: int) -> str | None:
@@ -130,7 +143,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of this layer's KV-cache tensor (K and V together) for `num_blocks` blocks."""
+        """Shape of this layer's KV-cache tensor (K and V together) for `num_blocks` blocks;
+        dimension `kv_cache_block_dim` has size `num_blocks`, and the tensor's bytes are
+        proportional to it."""
 
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """Element type of the KV-cache tensor."""

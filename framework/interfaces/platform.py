@@ -11,9 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from .graph_capture import GraphCapture
 
 # Scores used by the in-tree platforms; a plugin may pick any integer. The highest
 # available score wins `--device auto`; equal top scores are an error.
@@ -72,6 +75,24 @@ class PlatformCapabilities:
     #: per token, a large prompt chunk stalls every stream that is decoding. Set it from a
     #: `bench serve` measurement on the device; None: no cap (prefill is cheap here).
     serving_prefill_cap: int | None = None
+    #: KV-cache block sizes (tokens per block) this platform serves. `--block-size` must be
+    #: one of them; the plan also needs an attention backend that supports the size.
+    block_sizes: frozenset[int] = frozenset({16})
+    #: The block size used when the user sets none (a member of `block_sizes`).
+    default_block_size: int = 16
+    #: Dtypes in this platform's order of preference: `--dtype auto` takes the checkpoint's
+    #: dtype when the platform supports it, else the first of these. Empty: bfloat16,
+    #: float16, float32, whichever `dtypes` has first.
+    preferred_dtypes: tuple[torch.dtype, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.default_block_size not in self.block_sizes:
+            raise ValueError(
+                f"default_block_size {self.default_block_size} is not one of block_sizes {sorted(self.block_sizes)}"
+            )
+        stray = [d for d in self.preferred_dtypes if d not in self.dtypes]
+        if stray:
+            raise ValueError(f"preferred_dtypes {stray} are not in dtypes")
 
 
 class Platform(ABC):
@@ -83,6 +104,14 @@ class Platform(ABC):
     device_type: ClassVar[str]
     #: torch.distributed backend name: "gloo", "nccl", "xccl", ...
     dist_backend: ClassVar[str]
+    #: True when several ranks may compute on one device (a host CPU): tensor parallelism
+    #: then needs no more devices than one, and the conformance kit runs its 2-process
+    #: collectives on this machine's single device. False: one device per local rank.
+    ranks_share_device: ClassVar[bool] = False
+    #: The Ray resource one tensor-parallel rank reserves under
+    #: `--distributed-executor-backend ray` (a name Ray schedules by: "GPU", "TPU", ...;
+    #: Ray then shows the rank's actor only the device it was given). None: a "CPU".
+    ray_resource: ClassVar[str | None] = None
 
     def __init__(self, info: DeviceInfo) -> None:
         if info.platform != self.name:
@@ -119,6 +148,18 @@ class Platform(ABC):
         """Name of the KV-cache allocator used on this platform."""
         return self.name
 
+    def graph_capture(self, compile_backend: str, local_rank: int = 0) -> GraphCapture | None:
+        """The graph recorder that `compile_backend` (one of `capabilities().compile_backends`'
+        values) names on this platform, or None when it names a torch.compile backend.
+
+        A device that can record a step's kernels and replay them without Python (CUDA
+        graphs) declares a backend name for that in `compile_backends` and returns its
+        recorder for that name here; the engine then replays pure-decode steps from
+        recordings (`GraphCapture`) and runs every other step eagerly. The default: None,
+        every compile backend is handed to `torch.compile`.
+        """
+        return None
+
     # ----- device queries --------------------------------------------------------------
 
     def device_count(self) -> int:
@@ -142,6 +183,12 @@ class Platform(ABC):
 
     def synchronize(self, local_rank: int = 0) -> None:
         """Wait for queued work on the device to finish (a no-op on synchronous devices)."""
+
+    def compute_units(self, local_rank: int = 0) -> int | None:
+        """How many compute units (SMs, CUs, Xe-cores) the device of `local_rank` has, by
+        which kernels size their grids (`framework.device_properties`); None (the
+        default) when the device has no such notion."""
+        return None
 
     def kv_cache_budget_bytes(self, requested_gib: float | None, local_rank: int = 0) -> int:
         """Bytes to give the KV cache: the request if given, else the platform's default.
@@ -172,6 +219,10 @@ class Platform(ABC):
         return int(free * 0.5)
 
     def _check_rank(self, local_rank: int) -> None:
+        if self.ranks_share_device:
+            if local_rank < 0:
+                raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+            return
         if not 0 <= local_rank < max(1, self.device_count()):
             raise ValueError(
                 f"local_rank {local_rank} is out of range for {self.device_count()} "

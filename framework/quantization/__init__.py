@@ -2,7 +2,7 @@
 
 - `int8.Int8WeightOnlyMethod` ("int8"): int8 weights with per-output-channel symmetric
   scales, activations unquantized; quantized online from a bf16/fp32 checkpoint or
-  loaded pre-quantized. The matmul is picked per device from `int8_kernels`.
+  loaded pre-quantized. The matmul is picked from `int8_kernels` by the platform's features.
 - `fp8.Fp8Method` ("fp8"): e4m3 weights with per-channel scales, activations quantized
   per token on the fly, `torch._scaled_mm`; needs the platform feature "fp8_matmul".
 - `compressed_tensors.CompressedTensorsMethod` ("compressed-tensors"): checkpoints

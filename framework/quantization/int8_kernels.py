@@ -1,4 +1,4 @@
-"""Int8 weight-only matmul kernels, one per kind of device, picked once per layer.
+"""Int8 weight-only matmul kernels, picked once per layer by the platform's declared features.
 
 Each kernel computes `y = (x @ q^T) * s (+ b)` for x: [num_tokens, in] in the model's
 dtype, q: [out, in] int8 and s: [out]; `prepare` stores q and s on the layer in the form
@@ -13,15 +13,15 @@ its matmul wants (so `layer.parameters()` measures the real weight memory).
   dominates that error). Its bf16 path segfaults in torch 2.13 unless in_features is
   a multiple of the vector width: 8 was enough on AVX2, but on an AVX-512 machine
   (Zen5) in_features 72 and 136 crash while 64, 80 and 144 work — hence the
-  `in_features % 16` check (other layers take the dequantize path).
-- "triton_int8": `portaserve.kernels.int8_matmul` on GPU devices (imported lazily: the
-  framework never imports triton itself).
+  `in_features % 16` check (other layers take the dequantize path). Runs where the
+  platform declares "int8_weight_pack_mm" (the CPU).
+- "triton_int8": `portaserve.kernels.int8_matmul` where the platform declares "triton"
+  (imported lazily: the framework never imports triton itself).
 - "torch_dequant": `F.linear(x, q.to(dtype)) * s`, everywhere else (XLA fuses the cast).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -38,11 +38,13 @@ class Int8Kernel(ABC):
     """One way to multiply by an int8 weight with per-output-channel scales."""
 
     name: ClassVar[str]
+    #: Platform features the kernel needs (PlatformCapabilities.features).
+    required_features: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
-    @abstractmethod
-    def can_run(cls, device: torch.device, act_dtype: torch.dtype, in_features: int) -> bool:
-        """Whether this kernel serves a layer on `device` with these activations."""
+    def can_run(cls, features: frozenset[str], act_dtype: torch.dtype, in_features: int) -> bool:
+        """Whether this kernel serves a layer with these activations on a platform declaring `features`."""
+        return cls.required_features <= features
 
     @abstractmethod
     def prepare(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -59,12 +61,13 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 class CpuInt8PackKernel(Int8Kernel):
     name = "cpu_int8pack"
+    required_features = frozenset({"int8_weight_pack_mm"})
     #: the one activation dtype torch's CPU kernel is fast for (see the module docstring)
     compute_dtype = torch.bfloat16
 
     @classmethod
-    def can_run(cls, device, act_dtype, in_features) -> bool:
-        return device.type == "cpu" and in_features % 16 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    def can_run(cls, features, act_dtype, in_features) -> bool:
+        return super().can_run(features, act_dtype, in_features) and in_features % 16 == 0
 
     def prepare(self, layer, q, scale) -> None:
         layer.weight = _param(q.contiguous())
@@ -78,11 +81,7 @@ class CpuInt8PackKernel(Int8Kernel):
 
 class TritonInt8Kernel(Int8Kernel):
     name = "triton_int8"
-
-    @classmethod
-    def can_run(cls, device, act_dtype, in_features) -> bool:
-        # the device types Triton compiles for (ROCm builds of torch say "cuda" too)
-        return device.type in ("cuda", "xpu") and importlib.util.find_spec("triton") is not None
+    required_features = frozenset({"triton"})
 
     def prepare(self, layer, q, scale) -> None:
         layer.weight = _param(q.contiguous())
@@ -95,10 +94,6 @@ class TritonInt8Kernel(Int8Kernel):
 
 class TorchDequantKernel(Int8Kernel):
     name = "torch_dequant"
-
-    @classmethod
-    def can_run(cls, device, act_dtype, in_features) -> bool:
-        return True
 
     def prepare(self, layer, q, scale) -> None:
         layer.weight = _param(q.contiguous())
@@ -114,9 +109,10 @@ class TorchDequantKernel(Int8Kernel):
 INT8_KERNELS: tuple[type[Int8Kernel], ...] = (CpuInt8PackKernel, TritonInt8Kernel, TorchDequantKernel)
 
 
-def choose_int8_kernel(device: torch.device, act_dtype: torch.dtype, in_features: int) -> Int8Kernel:
-    """The first kernel of `INT8_KERNELS` that serves this layer (the torch one always can)."""
+def choose_int8_kernel(features: frozenset[str], act_dtype: torch.dtype, in_features: int) -> Int8Kernel:
+    """The first kernel of `INT8_KERNELS` that serves this layer on a platform declaring
+    `features` (the torch one always can)."""
     for cls in INT8_KERNELS:
-        if cls.can_run(torch.device(device), act_dtype, in_features):
+        if cls.can_run(features, act_dtype, in_features):
             return cls()
     raise AssertionError("TorchDequantKernel always runs")  # unreachable

@@ -13,12 +13,17 @@ What makes the checks able to fail:
   another sequence) produces NaN;
 - block ids are shuffled (no sequence owns contiguous blocks) and some blocks stay unused;
 - after every step, each block must hold exactly as many non-NaN values as the tokens
-  written into it so far (block ids index dim 0 of the cache, the KVCacheAllocator
-  convention; the layout inside a block is the backend's business);
+  written into it so far (block ids index the backend's declared `kv_cache_block_dim`,
+  checked against `kv_cache_shape` first, :mod:`.kv_layout`; the layout inside a block
+  is the backend's business);
 - padding tokens past `num_actual_tokens` carry a slot of a live token: writing them
   would corrupt that token and show in the output;
 - one scenario shares prefix blocks between two sequences of the same batch, written by
   one and read by the other in the same step (write-before-attend contract).
+
+An fp8 KV cache (`kv_cache_dtype="fp8"`) is checked against the reference run on K/V
+rounded through the cache's dtype, within `FP8_KV_TOLERANCE` (a backend may scale
+before rounding).
 
 Capabilities are respected: a case whose spec or block size the backend declares
 unsupported (`unsupported_reason`) is skipped with that reason, never failed.
@@ -33,9 +38,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from portaserve.framework.interfaces import AttentionBackend, AttentionBatch, AttentionSpec
+from portaserve.framework.testing.kv_layout import blocks_view, check_kv_layout, is_fp8
 
 #: ‖out − ref‖ / ‖ref‖ allowed per dtype.
 TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+#: ... with an fp8 KV cache, against the reference on K/V rounded to fp8 (unscaled): a
+#: backend that scales before rounding rounds differently, by up to a few percent.
+FP8_KV_TOLERANCE = 5e-2
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,8 @@ class AttentionCase:
     #: order in which sequences appear in each step's batch (default: 0, 1, ...)
     order: tuple[int, ...] | None = None
     seed: int = 0
+    #: "auto" (the cache holds `dtype`) or "fp8"
+    kv_cache_dtype: str = "auto"
 
     def spec(self) -> AttentionSpec:
         # A scale that is not 1/sqrt(head_size), so a backend ignoring spec.scale fails.
@@ -71,6 +82,7 @@ class AttentionCase:
             head_size=self.head_size,
             scale=1.3 / math.sqrt(self.head_size),
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             sliding_window=self.sliding_window,
             causal=self.causal,
             logits_soft_cap=self.logits_soft_cap,
@@ -194,14 +206,22 @@ def run_case(backend_cls: type[AttentionBackend], case: AttentionCase, device: t
         tables[shared_reader] = tables[shared_writer][:shared_blocks] + tables[shared_reader]
     max_blocks = max(len(t) for t in tables)
 
+    block_dim = check_kv_layout(backend, num_blocks)
     cache = torch.full(backend.kv_cache_shape(num_blocks), float("nan"), dtype=backend.kv_cache_torch_dtype())
     cache = cache.to(device)
-    per_block_numel = cache[0].numel()
+    per_block_numel = blocks_view(cache, block_dim)[0].numel()
     dense_block = per_block_numel == 2 * bs * hkv * d
     written: set[tuple[int, int]] = set()  # (block, offset) slots written so far
 
     result = CaseResult(case.name)
     tol = TOLERANCES.get(case.dtype, 1e-2)
+    if is_fp8(cache.dtype):
+        # The reference attends over what the cache can hold: K/V rounded to its dtype.
+        ref_k = [t.to(cache.dtype).to(case.dtype) for t in dense_k]
+        ref_v = [t.to(cache.dtype).to(case.dtype) for t in dense_v]
+        tol = max(tol, FP8_KV_TOLERANCE)
+    else:
+        ref_k, ref_v = dense_k, dense_v
     order = list(case.order) if case.order is not None else list(range(num_seqs))
     for step_idx, step in enumerate(case.steps):
         seqs = [i for i in order if step[i] > 0]
@@ -245,8 +265,8 @@ def run_case(backend_cls: type[AttentionBackend], case: AttentionCase, device: t
         if tuple(out.shape) != tuple(q.shape):
             raise AssertionError(f"{case.name} step {step_idx}: output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
 
-        keys = [dense_k[i][: slens[r]] for r, i in enumerate(seqs)]
-        values = [dense_v[i][: slens[r]] for r, i in enumerate(seqs)]
+        keys = [ref_k[i][: slens[r]] for r, i in enumerate(seqs)]
+        values = [ref_v[i][: slens[r]] for r, i in enumerate(seqs)]
         ref = reference_attention(q[:num_actual], keys, values, qlens, spec)
         err = relative_error(out[:num_actual], ref)
         result.errors.append(err)
@@ -257,19 +277,22 @@ def run_case(backend_cls: type[AttentionBackend], case: AttentionCase, device: t
             )
         for s in slot_mapping[:num_actual].tolist():
             written.add((s // bs, s % bs))
-        _check_blocks(backend_cls.name, case.name, step_idx, cache, written, dense_block, 2 * hkv * d)
+        _check_blocks(backend_cls.name, case.name, step_idx, blocks_view(cache, block_dim), written, dense_block, 2 * hkv * d)
         for i, n in zip(seqs, qlens):
             computed[i] += n
     return result
 
 
-def _check_blocks(backend, case, step_idx, cache, written, dense_block, per_token) -> None:
-    """Each block holds non-NaN values for exactly the slots written into it."""
-    finite = (~torch.isnan(cache.float())).reshape(cache.shape[0], -1).sum(dim=1).cpu()
+def _check_blocks(backend, case, step_idx, blocks, written, dense_block, per_token) -> None:
+    """Each block holds non-NaN values for exactly the slots written into it.
+
+    :param blocks: the cache viewed block-major (`blocks_view`), whatever its layout.
+    """
+    finite = (~torch.isnan(blocks.float())).reshape(blocks.shape[0], -1).sum(dim=1).cpu()
     expected = torch.zeros_like(finite)
     for block, _offset in written:
         expected[block] += per_token
-    for block in range(cache.shape[0]):
+    for block in range(blocks.shape[0]):
         got, want = int(finite[block]), int(expected[block])
         bad = got != want if dense_block else (want == 0 and got != 0)
         if bad:
@@ -321,7 +344,7 @@ def _run_encoder(backend: AttentionBackend, case: AttentionCase, device: torch.d
 HEAD_CONFIGS = ((4, 4), (8, 2), (16, 2), (4, 1))
 
 
-def _mixed_steps(bs: int) -> tuple[tuple[int, ...], ...]:
+def mixed_steps(bs: int) -> tuple[tuple[int, ...], ...]:
     """Five sequences; the last step mixes decodes of different lengths, prefill chunks on
     top of a cached prefix (one crossing a block boundary), and a fresh prefill. Lengths
     are not multiples of the block size, so the last blocks are partly filled."""
@@ -346,9 +369,9 @@ def default_cases(
     for bs in sizes:
         for hs in head_sizes:
             for h, hkv in HEAD_CONFIGS:
-                yield AttentionCase(f"mixed-{dname}-bs{bs}-d{hs}-h{h}kv{hkv}", h, hkv, hs, bs, dtype, _mixed_steps(bs))
+                yield AttentionCase(f"mixed-{dname}-bs{bs}-d{hs}-h{h}kv{hkv}", h, hkv, hs, bs, dtype, mixed_steps(bs))
     bs, hs = sizes[0], head_sizes[0]
-    base = AttentionCase("", 8, 2, hs, bs, dtype, _mixed_steps(bs))
+    base = AttentionCase("", 8, 2, hs, bs, dtype, mixed_steps(bs))
     yield replace(base, name=f"order-{dname}", order=(4, 1, 0, 3, 2), seed=1)
     yield replace(base, name=f"padding-{dname}", padding=(0, 1, 2), seed=2)
     for window in (1, 5, bs + 1, 4 * bs):

@@ -1,72 +1,64 @@
-"""Fixtures of the conformance kit, shared by every check module in this package."""
+"""Fixtures of the conformance kit, shared by every check module in this package, and the
+one-page summary printed at the end of a kit run (:mod:`.summary`)."""
 
 from __future__ import annotations
 
-import os
+from collections import Counter, defaultdict
 
 import pytest
 
+from portaserve.framework.testing.platform_under_test import option, resolve, resolved
 
-def selected_platform_name(config) -> str:
-    """--platform, else PORTASERVE_DEVICE, else the platform `--device auto` selects."""
-    try:
-        name = config.getoption("--platform", default=None)
-    except ValueError:  # the pytest11 plugin is disabled
-        name = None
-    name = name or os.environ.get("PORTASERVE_DEVICE", "").strip()
-    if name and name != "auto":
-        return name
-    from portaserve.framework.plugins import get_registry
-    from portaserve.framework.selection import choose_platform
-
-    return choose_platform(get_registry(), "auto", strict=False).platform_cls.name
+#: module file name -> outcome -> count, filled as reports arrive (one kit run per process)
+_OUTCOMES: dict[str, Counter] = defaultdict(Counter)
 
 
-_TESTED_KEY = pytest.StashKey[str]()
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        outcome = "error" if report.when == "setup" and report.failed else report.outcome
+        _OUTCOMES[module][outcome] += 1
+    elif report.when == "teardown" and report.failed:
+        _OUTCOMES[module]["error"] += 1
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    name = config.stash.get(_TESTED_KEY, None)
-    if name is not None:
-        terminalreporter.write_line(f"portaserve conformance kit: platform {name}")
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    put = resolved(config)
+    if put is None:  # no kit module ran (a run that only collected elsewhere)
+        return
+    from portaserve.framework.testing.summary import summary_lines
+
+    terminalreporter.write_sep("=", "portaserve conformance kit")
+    for line in summary_lines(put, _OUTCOMES, allow_unavailable=bool(option(config, "--allow-unavailable"))):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
 def platform_name(request) -> str:
-    name = selected_platform_name(request.config)
-    request.config.stash[_TESTED_KEY] = name
-    return name
+    return resolve(request.config).name
 
 
 @pytest.fixture(scope="session")
-def registry():
+def registry(request):
     """The process-wide plugin registry (lenient: other plugins' failures are not this one's)."""
-    from portaserve.framework.plugins import get_registry
-
-    return get_registry()
+    return resolve(request.config).registry
 
 
 @pytest.fixture(scope="session")
-def platform_cls(registry, platform_name):
-    cls = registry.platforms.get(platform_name)
-    if cls is None:
-        rec = registry.record(platform_name)
-        why = f": {rec.error or rec.skipped}" if rec is not None and (rec.error or rec.skipped) else ""
-        pytest.fail(f"platform {platform_name!r} is not registered{why}; registered: {sorted(registry.platforms)}")
-    return cls
+def platform_cls(request):
+    put = resolve(request.config)
+    if put.cls is None:
+        pytest.fail(put.problem, pytrace=False)
+    return put.cls
 
 
 @pytest.fixture(scope="session")
-def platform(registry, platform_cls, platform_name):
-    """The platform instance, chosen as `--device NAME` would; skips when the device is unavailable."""
-    from portaserve.framework.errors import PlatformUnavailableError
-    from portaserve.framework.selection import choose_platform
+def platform(request, platform_cls):
+    """The platform instance, chosen as `--device NAME` would.
 
-    try:
-        choice = choose_platform(registry, platform_name, strict=False)
-    except PlatformUnavailableError as exc:
-        pytest.skip(str(exc))
-    return choice.instantiate()
+    Where the device is unavailable the test fails (skips with --allow-unavailable).
+    """
+    return resolve(request.config).require(request.config)
 
 
 @pytest.fixture(scope="session")

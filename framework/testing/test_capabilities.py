@@ -32,6 +32,9 @@ def test_capabilities_are_well_formed(caps):
     assert caps.default_compilation_mode in {"none", *caps.compile_backends}
     cap = caps.serving_prefill_cap
     assert cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1), cap
+    assert caps.block_sizes and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in caps.block_sizes)
+    assert caps.default_block_size in caps.block_sizes
+    assert all(d in caps.dtypes for d in caps.preferred_dtypes), caps.preferred_dtypes
 
 
 def test_capabilities_are_stable(platform, caps):
@@ -70,7 +73,7 @@ def test_preferred_attention_backends_resolve(registry, platform, platform_name,
         if name in backends:
             cls = backends[name]
             assert issubclass(cls, AttentionBackend)
-            assert platform_name in cls.platforms, f"preferred backend {name} runs on {sorted(cls.platforms)}"
+            assert cls.runs_on(platform_name), f"preferred backend {name} runs on {sorted(cls.platforms)}"
             missing = cls.required_features - caps.features
             assert not missing, f"preferred backend {name} needs features {sorted(missing)} the platform lacks"
     usable = [n for n in preferred if n in backends]
@@ -78,6 +81,21 @@ def test_preferred_attention_backends_resolve(registry, platform, platform_name,
         f"none of the preferred attention backends {list(preferred)} is registered "
         f"(registered: {sorted(backends)}); the platform cannot run a model"
     )
+
+
+def test_platform_block_sizes_are_served(registry, platform, platform_name, caps):
+    # The engine takes the platform's default block size when the user sets none: a
+    # preferred backend must serve it, and each preferred backend some declared size.
+    backends = registry.load_all("attention_backends")
+    usable = {n: backends[n] for n in platform.preferred_attention_backends()
+              if n in backends and not backends[n].required_features - caps.features}
+    for name, cls in usable.items():
+        common = set(cls.supported_block_sizes) & set(caps.block_sizes)
+        assert common, (f"preferred backend {name} supports block sizes {sorted(cls.supported_block_sizes)}, none of "
+                        f"{platform_name}'s {sorted(caps.block_sizes)}")
+    if usable:
+        assert any(caps.default_block_size in cls.supported_block_sizes for cls in usable.values()), (
+            f"default_block_size {caps.default_block_size} is served by none of the preferred backends {sorted(usable)}")
 
 
 @pytest.mark.parametrize(

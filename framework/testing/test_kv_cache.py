@@ -1,11 +1,17 @@
-"""Conformance: the platform's default KV-cache allocator sizes, allocates and moves blocks."""
+"""Conformance: the platform's default KV-cache allocator sizes, allocates and moves blocks
+of the layouts its attention backends declare (:mod:`.kv_cache_checks`)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from portaserve.framework.interfaces import KVCacheAllocator
+from portaserve.framework.testing.kv_cache_checks import (
+    check_allocation,
+    check_budget_to_allocation,
+    check_round_trip,
+    representative_layers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -15,11 +21,13 @@ def allocator(registry, platform, device) -> KVCacheAllocator:
 
 
 @pytest.fixture(scope="module")
-def dtypes(platform):
-    # Two layers in different dtypes the platform supports (the same one twice if only one).
-    order = (torch.bfloat16, torch.float16, torch.float32)
-    supported = [d for d in order if d in platform.capabilities().dtypes]
-    return [supported[0], supported[-1]]
+def layers(registry, platform, device):
+    """Attention backend instances whose `kv_cache_shape` / `kv_cache_block_dim` the checks use."""
+    found, notes = representative_layers(registry, platform, device)
+    if not found:
+        pytest.fail(f"no attention backend of {platform.name} gives a KV-cache layout to allocate"
+                    + (f" ({'; '.join(notes)})" if notes else ""), pytrace=False)
+    return found
 
 
 @pytest.mark.parametrize(
@@ -47,65 +55,19 @@ def test_num_blocks_rejects_nonsense(allocator):
         allocator.num_blocks(-1, 100)
 
 
-def _shapes(allocator, num_blocks: int):
-    shape_a = [num_blocks, 2, 2, 16, 8]
-    shape_b = [num_blocks, 2, 1, 8, 16]
-    # block ids index allocator.block_dim; build shapes with num_blocks there.
-    for shape in (shape_a, shape_b):
-        shape[0], shape[allocator.block_dim] = shape[allocator.block_dim], shape[0]
-    return [tuple(shape_a), tuple(shape_b)]
+def test_allocate_shapes_dtypes_device(allocator, layers, device):
+    check_allocation(allocator, layers, device)
 
 
-def test_allocate_shapes_dtypes_device(allocator, device, dtypes):
-    shapes = _shapes(allocator, 6)
-    caches = allocator.allocate(shapes, dtypes)
-    assert len(caches) == 2
-    for cache, shape, dtype in zip(caches, shapes, dtypes):
-        assert tuple(cache.shape) == shape and cache.dtype == dtype
-        assert cache.device.type == device.type and cache.is_contiguous()
-    caches[0].fill_(1)
-    caches[1].fill_(2)
-    assert bool((caches[0] == 1).all()), "layers share storage"
-    allocator.release(caches)
-    assert caches == []
+def test_allocate_rejects_mismatched_lengths(allocator, layers):
+    shapes = [tuple(layer.kv_cache_shape(2)) for layer in layers]
     with pytest.raises(ValueError):
-        allocator.allocate(shapes, dtypes[:1])
+        allocator.allocate(shapes, [layers[0].kv_cache_torch_dtype()] * (len(shapes) + 1))
 
 
-def test_blocks_round_trip_through_host_memory(allocator, device, dtypes):
-    num_blocks = 8
-    shapes = _shapes(allocator, num_blocks)
-    caches = allocator.allocate(shapes, dtypes)
-    gen = torch.Generator().manual_seed(0)
-    originals = []
-    for cache in caches:
-        values = torch.randn(cache.shape, generator=gen).to(cache.dtype)
-        cache.copy_(values.to(device))
-        originals.append(values)
-    block_ids = [5, 0, 3]
-    dim = allocator.block_dim
-    index = torch.tensor(block_ids)
-    host = allocator.copy_blocks_to_host(caches, block_ids)
-    for saved, values in zip(host, originals):
-        assert saved.device.type == "cpu"
-        assert torch.equal(saved, values.index_select(dim, index)), "host copy differs from the blocks"
-    for cache in caches:
-        cache.zero_()
-    allocator.copy_blocks_from_host(caches, host, block_ids)
-    for cache, values in zip(caches, originals):
-        back = cache.to("cpu")
-        assert torch.equal(back.index_select(dim, index), values.index_select(dim, index)), "blocks not restored"
-        others = torch.tensor(sorted(set(range(num_blocks)) - set(block_ids)))
-        assert not back.index_select(dim, others).any(), "blocks outside block_ids were written"
+def test_blocks_round_trip_through_host_memory(allocator, layers, device):
+    check_round_trip(allocator, layers, device)
 
 
-def test_budget_to_allocation(allocator, platform):
-    # The engine's path: budget -> bytes per block -> number of blocks -> tensors.
-    budget = platform.kv_cache_budget_bytes(1 / 1024)  # 1 MiB
-    shape = _shapes(allocator, 1)[0]
-    per_block = 2 * 2 * 16 * 8 * 4  # one block of the first layer shape in float32
-    n = allocator.num_blocks(budget, per_block)
-    assert n > 0
-    (cache,) = allocator.allocate(_shapes(allocator, n)[:1], [torch.float32])
-    assert cache.shape[allocator.block_dim] == n and len(shape) == cache.dim()
-    assert cache.numel() * cache.element_size() <= budget
+def test_budget_to_allocation(allocator, platform, layers):
+    check_budget_to_allocation(allocator, platform, layers)

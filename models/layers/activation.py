@@ -13,7 +13,7 @@ from portaserve.framework.layer_context import LayerContext
 class SiluAndMul(nn.Module):
     """`silu(x[..., :d]) * x[..., d:]` for x: [..., 2 * d] (the fused gate_up output).
 
-    Uses the plan's `silu_and_mul` op when one is bound.
+    Calls the plan's `silu_and_mul` op (the platform's kernel or the torch reference).
     """
 
     def __init__(self, ctx: LayerContext) -> None:
@@ -21,10 +21,7 @@ class SiluAndMul(nn.Module):
         self._op = ctx.ops.get("silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._op is not None:
-            return self._op(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self._op(x)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """RMSNorm (with the decoder's fused residual add) and LayerNorm.
 
-RMSNorm uses the plan's fused `rms_norm` / `fused_add_rms_norm` ops when the platform
-bound one, else plain torch computed like transformers: normalize in float32, round to
-the activation dtype, then scale by the weight in the weight's dtype.
+RMSNorm calls the `rms_norm` / `fused_add_rms_norm` ops the plan bound: the platform's
+fused kernel, or the torch reference, which computes like transformers (normalize in
+float32, round to the activation dtype, then scale by the weight in the weight's dtype).
 """
 
 from __future__ import annotations
@@ -29,22 +29,11 @@ class RMSNorm(nn.Module):
         self._rms_norm = ctx.ops.get("rms_norm")
         self._fused_add_rms_norm = ctx.ops.get("fused_add_rms_norm")
 
-    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x, residual: [..., hidden_size]
         if residual is None:
-            if self._rms_norm is not None:
-                return self._rms_norm(x, self.weight, self.eps)
-            return self._torch_norm(x)
-        if self._fused_add_rms_norm is not None:
-            return self._fused_add_rms_norm(x, residual, self.weight, self.eps)
-        residual = x + residual
-        return self._torch_norm(residual), residual
+            return self._rms_norm(x, self.weight, self.eps)
+        return self._fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

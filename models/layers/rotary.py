@@ -203,26 +203,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_size], k: [num_tokens, num_kv_heads, head_size]."""
         index, table = rope
-        if self._op is not None:
-            return self._op(index, q, k, table, self.is_neox_style)
-        # cos, sin: [num_tokens, 1, rotary_dim / 2] in the activation dtype, as transformers
-        rows = table.index_select(0, index).to(q.dtype).unsqueeze(1)
-        cos, sin = rows.chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out1 = x1 * cos - x2 * sin
-        out2 = x2 * cos + x1 * sin
-        if self.is_neox_style:
-            rotated = torch.cat((out1, out2), dim=-1)
-        else:
-            rotated = torch.stack((out1, out2), dim=-1).flatten(-2)
-        return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
+        # the op rotates the first table.shape[-1] (= rotary_dim) features of each head
+        return self._op(index, q, k, table, self.is_neox_style)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, type={self.params['rope_type']}, max_positions={self.max_positions}"

@@ -10,11 +10,11 @@ and ~2.5x in fp32 at 16 tokens; the bench decode step went from 64 to 51 ms.
 
 Memory: the packed copy replaces the dense weight. The layer keeps a `weight`
 Parameter of the right shape and dtype (a zero-stride placeholder, so loaders, TP tags
-and memory reports still see it), tagged with `dense_data`, which a live weight update
-uses to read the current values back before it stages new ones, and `release_packed`,
-which sleep(level=2) calls to free the packed copy (wake_up puts the dense values back
-into `weight.data` and runs `process_weights_after_loading` to repack). `state_dict()`
-shows the unpacked values; `layer.weight` itself is the placeholder. A layer that sets
+and memory reports still see it). The QuantMethod interface reaches the real values:
+`checkpoint_layout` unpacks them (a live weight update stages new ones in that layout
+and repacks), `release_weights` (sleep level 2) moves them to host memory and frees the
+packed copy, and `restore_weights` (wake_up) repacks them. `state_dict()` shows the
+unpacked values; `layer.weight` itself is the placeholder. A layer that sets
 `keep_dense_weight` (an LM head tied to the embedding) keeps its dense weight as well.
 """
 
@@ -74,8 +74,6 @@ class OneDnnLinearMethod(UnquantizedMethod):
         # the dense storage goes; a placeholder of the same shape keeps the Parameter (and
         # everything tied to it) in place
         weight.data = torch.empty(1, dtype=dense.dtype).expand(dense.shape)
-        weight.dense_data = lambda: layer.packed_weight.to_dense()
-        weight.release_packed = lambda: setattr(layer, "packed_weight", None)
         if not getattr(layer, "_dense_state_dict_hook", False):
             # state_dict() shows the real values, not the placeholder
             layer.register_state_dict_post_hook(_dense_weight_in_state_dict)
@@ -85,6 +83,17 @@ class OneDnnLinearMethod(UnquantizedMethod):
         if param_name == "weight" and layer.weight.stride() == (0, 0) and getattr(layer, "packed_weight", None) is not None:
             return layer.packed_weight.to_dense()  # the placeholder's real values
         return None
+
+    def release_weights(self, layer: nn.Module) -> dict[str, torch.Tensor]:
+        dense = self.checkpoint_layout(layer, "weight")
+        if dense is not None:
+            layer.weight.data = dense  # the placeholder's real values, saved like any weight
+        layer.packed_weight = None
+        return super().release_weights(layer)
+
+    def restore_weights(self, layer: nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
+        super().restore_weights(layer, saved)
+        self.process_weights_after_loading(layer)  # repack
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)

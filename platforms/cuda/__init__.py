@@ -8,7 +8,7 @@ imported only when the plan binds them.
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.0"
+PORTASERVE_CONTRACT = "1.1"
 
 
 @hookimpl

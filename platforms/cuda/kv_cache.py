@@ -18,11 +18,11 @@ class CudaKVCacheAllocator(KVCacheAllocator):
         # written (reshape_and_cache) before attention reads it.
         return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
-    def _copy_blocks(self, caches, block_ids, device: torch.device) -> list[torch.Tensor]:
+    def _copy_blocks_along(self, caches, block_ids, device: torch.device, block_dims) -> list[torch.Tensor]:
         index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         out = []
-        for cache in caches:
-            blocks = cache.index_select(self.block_dim, index)
+        for cache, dim in zip(caches, block_dims, strict=True):
+            blocks = cache.index_select(dim, index)
             # Pinned host memory makes the copy back (copy_blocks_from_host) asynchronous.
             host = torch.empty(blocks.shape, dtype=blocks.dtype, device=device, pin_memory=device.type == "cpu")
             host.copy_(blocks)

@@ -9,6 +9,7 @@ import torch
 from portaserve.framework.interfaces import SCORE_ACCELERATOR, DeviceInfo, Platform, PlatformCapabilities, Unavailable
 
 from .devices import summarize, visible_gpus
+from .graphs import CUDA_GRAPHS, TorchCudaGraphs
 
 # Ampere (8.0) is the first architecture with bf16 tensor cores; Ada (8.9) and Hopper
 # (9.0) add fp8 ones; Turing (7.5) has int8 (IMMA) tensor cores.
@@ -26,6 +27,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
+    ray_resource = "GPU"
 
     @classmethod
     def probe(cls) -> DeviceInfo | Unavailable:
@@ -82,9 +84,11 @@ class CudaPlatform(Platform):
             dtypes=frozenset(dtypes),
             kv_cache_dtypes=frozenset(kv_dtypes),
             features=frozenset(features),
-            compile_backends={"default": "cudagraphs", "max": "inductor"},
+            compile_backends={"default": CUDA_GRAPHS, "max": "inductor"},
             # Not measured on a GPU yet: eager until BENCHMARKS.md says otherwise.
             default_compilation_mode="none",
+            block_sizes=frozenset({16, 32, 64}),
+            default_block_size=16,
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:
@@ -109,3 +113,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self, local_rank: int = 0) -> None:
         torch.cuda.synchronize(local_rank)
+
+    def graph_capture(self, compile_backend: str, local_rank: int = 0) -> TorchCudaGraphs | None:
+        return TorchCudaGraphs(self.torch_device(local_rank)) if compile_backend == CUDA_GRAPHS else None
+
+    def compute_units(self, local_rank: int = 0) -> int:
+        return int(torch.cuda.get_device_properties(self.torch_device(local_rank)).multi_processor_count)

@@ -8,6 +8,7 @@ import torch
 
 from portaserve.framework.interfaces import SCORE_ACCELERATOR, DeviceInfo, Platform, PlatformCapabilities, Unavailable
 from portaserve.platforms.cuda.devices import summarize, visible_gpus
+from portaserve.platforms.cuda.graphs import CUDA_GRAPHS, TorchCudaGraphs
 
 # gfx arch prefixes: MI300 (gfx94x) and MI350 (gfx950) have fp8 matrix cores; MI100 (gfx908)
 # and later CDNA parts, and RDNA3/4 (gfx11xx/gfx12xx) have int8 ones; Vega (gfx900/gfx906)
@@ -29,6 +30,7 @@ class RocmPlatform(Platform):
     # HIP builds of torch address AMD GPUs as "cuda" devices.
     device_type = "cuda"
     dist_backend = "nccl"
+    ray_resource = "GPU"
 
     @classmethod
     def probe(cls) -> DeviceInfo | Unavailable:
@@ -88,8 +90,10 @@ class RocmPlatform(Platform):
             dtypes=frozenset(dtypes),
             kv_cache_dtypes=frozenset(kv_dtypes),
             features=frozenset(features),
-            compile_backends={"default": "cudagraphs", "max": "inductor"},
+            compile_backends={"default": CUDA_GRAPHS, "max": "inductor"},
             default_compilation_mode="none",
+            block_sizes=frozenset({16, 32, 64}),
+            default_block_size=16,
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:
@@ -113,3 +117,10 @@ class RocmPlatform(Platform):
 
     def synchronize(self, local_rank: int = 0) -> None:
         torch.cuda.synchronize(local_rank)
+
+    def graph_capture(self, compile_backend: str, local_rank: int = 0) -> TorchCudaGraphs | None:
+        # HIP graphs, through the same torch.cuda API
+        return TorchCudaGraphs(self.torch_device(local_rank)) if compile_backend == CUDA_GRAPHS else None
+
+    def compute_units(self, local_rank: int = 0) -> int:
+        return int(torch.cuda.get_device_properties(self.torch_device(local_rank)).multi_processor_count)

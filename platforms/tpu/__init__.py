@@ -7,7 +7,7 @@ short-lived child process instead, see platform.py.
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.0"
+PORTASERVE_CONTRACT = "1.1"
 
 
 @hookimpl

@@ -109,6 +109,7 @@ class TpuPlatform(Platform):
     name = "tpu"
     device_type = "xla"
     dist_backend = "xla"
+    ray_resource = "TPU"
 
     @classmethod
     def probe(cls) -> DeviceInfo | Unavailable:
@@ -158,6 +159,8 @@ class TpuPlatform(Platform):
             features=frozenset(features),
             compile_backends={"default": "openxla"},
             default_compilation_mode="none",
+            block_sizes=frozenset({16, 32, 64, 128}),
+            default_block_size=16,
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:

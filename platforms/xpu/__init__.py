@@ -6,7 +6,7 @@ components that need it, never at import time of this package).
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.0"
+PORTASERVE_CONTRACT = "1.1"
 
 
 @hookimpl

@@ -35,8 +35,7 @@ class XcclCommunicator(TorchDistributedCommunicator):
     platforms = frozenset({"xpu"})
     dist_backend = "xccl"
 
-    def __init__(self, rank, world_size, device, init_method=None, group=None, timeout_s: float = 600.0) -> None:
-        if world_size > 1:
-            # An instance attribute: the base class reads self.dist_backend when it creates the group.
-            self.dist_backend = xpu_dist_backend()
-        super().__init__(rank, world_size, device, init_method=init_method, group=group, timeout_s=timeout_s)
+    @classmethod
+    def group_backend(cls) -> str:
+        # asked only when a group is built (world size > 1, or a weight-update group)
+        return xpu_dist_backend()

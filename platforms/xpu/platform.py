@@ -32,6 +32,8 @@ class XpuPlatform(Platform):
     name = "xpu"
     device_type = "xpu"
     dist_backend = "xccl"
+    # Ray schedules Intel GPUs as "GPU" (ONEAPI_DEVICE_SELECTOR narrows each actor to its own)
+    ray_resource = "GPU"
 
     @classmethod
     def probe(cls) -> DeviceInfo | Unavailable:
@@ -93,6 +95,8 @@ class XpuPlatform(Platform):
             features=frozenset(features),
             compile_backends={"default": "inductor", "max": "inductor"},
             default_compilation_mode="none",
+            block_sizes=frozenset({16, 32, 64}),
+            default_block_size=16,
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:
@@ -120,3 +124,9 @@ class XpuPlatform(Platform):
 
     def synchronize(self, local_rank: int = 0) -> None:
         _xpu_module().synchronize(local_rank)
+
+    def compute_units(self, local_rank: int = 0) -> int | None:
+        # Xe-cores (subslices) where torch reports them, else SYCL's compute units
+        props = _xpu_module().get_device_properties(self.torch_device(local_rank))
+        units = getattr(props, "gpu_subslice_count", None) or getattr(props, "max_compute_units", None)
+        return int(units) if units else None

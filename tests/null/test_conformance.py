@@ -1,14 +1,19 @@
 """The conformance kit, run exactly as a plugin author runs it: a separate pytest process,
 started outside the repository, ``pytest --pyargs portaserve.framework.testing --platform NAME``.
-The CPU platform and the pip-installed example plugin must pass it."""
+The CPU platform, the pip-installed example plugin and a plugin built here with a
+vLLM-style KV layout (tests/null/vllm_layout_plugin.py, installed as a distribution
+into a temporary folder) must pass it; an unavailable platform fails it unless
+``--allow-unavailable``; the end of every run is a one-page summary."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -26,9 +31,22 @@ def _summary(proc) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", tail)}
 
 
-def _example_installed() -> bool:
+def install_layout_plugin(tmp_path, **env: str) -> dict[str, str]:
+    """Install tests/null/vllm_layout_plugin.py as a distribution (a dist-info folder with its
+    entry point) in a folder of its own; returns the environment that puts it on the path."""
+    site = tmp_path / "site"
+    info = site / "vllm_layout_plugin-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-layout-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[portaserve.platforms]\nvlayout = vllm_layout_plugin\n")
+    shutil.copy(Path(__file__).with_name("vllm_layout_plugin.py"), site)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, **env}
+
+
+def _example_installed(distribution: str = "portaserve-example-platform") -> bool:
     try:
-        metadata.distribution("portaserve-example-platform")
+        metadata.distribution(distribution)
     except metadata.PackageNotFoundError:
         return os.environ.get("PORTASERVE_REQUIRE_EXAMPLES") == "1"  # then fail, not skip
     return True
@@ -39,12 +57,27 @@ def _assert_passed(proc, platform: str) -> None:
     assert proc.returncode == 0, out[-6000:]
     counts = _summary(proc)
     assert counts.get("passed", 0) >= 20 and not counts.get("failed") and not counts.get("error"), out[-3000:]
-    assert f"portaserve conformance kit: platform {platform}" in proc.stdout
+    _assert_summary(proc, platform)
     # On an available platform the device checks must not skip: world size 2, budgets and
     # collectives really ran (attention cases may skip what a backend does not declare).
     skips = re.findall(r"SKIPPED \[\d+\] (\S+):", proc.stdout)
     device_checks = ("test_communicator.py", "test_kv_cache.py", "test_capabilities.py")
     assert not [s for s in skips if any(c in s for c in device_checks)], out[-3000:]
+
+
+def _assert_summary(proc, platform: str) -> None:
+    """The one-page summary: platform, plugin, declarations, contributions, results per module."""
+    out = proc.stdout
+    assert f"portaserve conformance kit: platform {platform}" in out, out[-3000:]
+    summary = out[out.index(f"portaserve conformance kit: platform {platform}"):]
+    for heading in ("plugin: ", "device: ", "declares: block sizes", "contributes:", "attention backends: ",
+                    "KV-cache allocators: ", "communicators: ", "ops: ", "quant methods: ", "platform models: ",
+                    "results:"):
+        assert heading in summary, f"{heading!r} missing from the summary:\n{summary[:3000]}"
+    for module in ("test_attention_backends.py", "test_kv_cache.py", "test_communicator.py", "test_ops.py",
+                   "test_quant_methods.py", "test_probe.py", "test_capabilities.py"):
+        assert re.search(rf"{module}\s+\d+ (passed|failed|skipped|error)", summary), f"{module} missing:\n{summary[:3000]}"
+    assert re.search(r"total\s+\d+ passed", summary)
 
 
 @pytest.mark.slow
@@ -62,10 +95,54 @@ def test_example_plugin_passes_the_kit(tmp_path):
 
 
 @pytest.mark.slow
-def test_kit_on_an_unavailable_platform_skips_with_the_reason(tmp_path):
-    proc = run_kit(tmp_path, "--platform", "tpu", "-k", "kv_cache or communicator")
+@pytest.mark.timeout(300)
+def test_a_plugin_with_a_vllm_kv_layout_passes_the_kit(tmp_path):
+    # Issue 22, failure 2: the [2, num_blocks, ...] layout used to fail inside the kit.
+    proc = run_kit(tmp_path, "--platform", "vlayout", env=install_layout_plugin(tmp_path))
+    _assert_passed(proc, "vlayout")
+    assert "IndexError" not in proc.stdout
+    assert "vlayout_torch (preferred #1, KV block dim 1)" in proc.stdout
+    assert "block sizes [16, 32] (default 32)" in proc.stdout
+    # Issue 22, failure 3: the plugin's own op, its op implementations and its quant method ran.
+    assert "ops: vlayout_gelu_and_mul:vlayout_torch, rms_norm:vlayout_torch" in proc.stdout
+    assert "op specs declared: vlayout_gelu_and_mul" in proc.stdout
+    assert "quant methods: vlayout_linear (variant of none)" in proc.stdout
+    assert re.search(r"test_ops.py\s+9 passed\n", proc.stdout), proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_kit_on_an_unavailable_platform_fails_with_the_reason(tmp_path):
+    # Issue 22, failure 6: a kit run on the wrong machine must not be green.
+    proc = run_kit(tmp_path, "--platform", "tpu", "-k", "kv_cache or communicator or attention")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "device 'tpu' is not available: torch_xla is not installed" in proc.stdout
+    assert "--allow-unavailable" in proc.stdout
+    assert not _summary(proc).get("passed") and not _summary(proc).get("skipped"), out[-3000:]
+    assert "device: UNAVAILABLE" in proc.stdout and "device checks FAILED" in proc.stdout
+
+
+@pytest.mark.slow
+def test_kit_on_an_unavailable_platform_skips_with_allow_unavailable(tmp_path):
+    proc = run_kit(tmp_path, "--platform", "tpu", "--allow-unavailable", "-k", "kv_cache or communicator")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "device 'tpu' is not available: torch_xla is not installed" in proc.stdout
+    counts = _summary(proc)
+    assert counts.get("skipped", 0) >= 5 and not counts.get("failed") and not counts.get("error")
+    assert "device checks SKIPPED (--allow-unavailable)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_world_size_2_on_one_unshared_device_fails_unless_allowed(tmp_path):
+    # Issue 22, failure 6: the 2-process check used to skip quietly with fewer than 2 devices.
+    env = install_layout_plugin(tmp_path, VLAYOUT_ONE_DEVICE_PER_RANK="1")
+    proc = run_kit(tmp_path, "--platform", "vlayout", "-k", "world_size_2", env=env)
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "world size 2 needs 2 vlayout devices" in proc.stdout and "--allow-single-device" in proc.stdout
+    proc = run_kit(tmp_path, "--platform", "vlayout", "-k", "world_size_2", "--allow-single-device", env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert _summary(proc) == {"skipped": 1}
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from portaserve.framework.interfaces import AttentionSpec
+from portaserve.framework.interfaces.ops import OP_NAMES
 from portaserve.framework.testing.attention_checks import AttentionCase, default_cases, run_case
 from portaserve.platforms.cpu import fused_ops, native
 from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
@@ -223,27 +224,25 @@ def _close_in_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert (out == ref).float().mean() > 0.99
 
 
-def test_silu_and_rotary_match_the_layers_torch_code_in_bf16(use):
+def test_silu_and_rotary_match_the_torch_references_in_bf16(use):
     """The C ops round where torch rounds, so outputs do not depend on the library."""
-    from portaserve.models.layers.rotary import RotaryEmbedding
+    from portaserve.framework import op_references
 
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(37, 2 * 608, generator=gen) * 3).bfloat16()
     gate, up = x.chunk(2, dim=-1)
     _close_in_bf16(fused_ops.silu_and_mul(x), F.silu(gate) * up)
+    _close_in_bf16(fused_ops.silu_and_mul(x), op_references.silu_and_mul(x))
     angles = torch.arange(500.0)[:, None] * (10000.0 ** (-torch.arange(32.0) / 32))
     table = torch.cat([angles.cos(), angles.sin()], dim=-1)
     q = torch.randn(37, 14, 64, generator=gen).bfloat16()
     k = torch.randn(37, 2, 64, generator=gen).bfloat16()
     positions = torch.randint(0, 500, (37,), generator=gen)
     for is_neox in (True, False):
-        layer = RotaryEmbedding.__new__(RotaryEmbedding)  # just the torch rotation
-        layer.rotary_dim, layer.is_neox_style = 64, is_neox
-        rows = table.index_select(0, positions).to(torch.bfloat16).unsqueeze(1)
-        cos, sin = rows.chunk(2, dim=-1)
+        q_ref, k_ref = op_references.rotary_embedding(positions, q.clone(), k.clone(), table, is_neox)
         q_out, k_out = fused_ops.rotary_embedding(positions, q, k, table, is_neox)
-        _close_in_bf16(q_out, layer._rotate(q, cos, sin))
-        _close_in_bf16(k_out, layer._rotate(k, cos, sin))
+        _close_in_bf16(q_out, q_ref)
+        _close_in_bf16(k_out, k_ref)
 
 
 # ----- what the plan binds ---------------------------------------------------------------------------
@@ -260,6 +259,12 @@ def _plan(hf_config, **kw):
 
 
 C_OPS = (("fused_add_rms_norm", "cpu_c"), ("rms_norm", "cpu_c"), ("rotary_embedding", "cpu_c"), ("silu_and_mul", "cpu_c"))
+REFERENCES = tuple((op, "reference") for op, _impl in C_OPS)
+
+
+def builtin_ops(plan):
+    """The plan's bindings of portaserve's own ops (installed plugins may declare more)."""
+    return tuple((op, impl) for op, impl in plan.custom_ops if op in OP_NAMES)
 
 
 def test_plan_binds_the_c_ops_where_they_build(plugin_env, engine_tiny_config):
@@ -267,16 +272,16 @@ def test_plan_binds_the_c_ops_where_they_build(plugin_env, engine_tiny_config):
     if not native.enabled():
         pytest.skip("no C compiler")
     assert "c_kernels" in plan.platform_features
-    assert plan.custom_ops == C_OPS
+    assert builtin_ops(plan) == C_OPS
     assert "rms_norm=cpu_c" in str(plan)
 
 
 def test_plan_leaves_the_c_ops_out_when_compiling_or_disabled(plugin_env, engine_tiny_config):
-    # torch.compile cannot trace a ctypes call: inductor fuses the layers' own code instead
-    assert _plan(engine_tiny_config, compilation_mode="default").custom_ops == ()
+    # torch.compile cannot trace a ctypes call: inductor fuses the torch references instead
+    assert builtin_ops(_plan(engine_tiny_config, compilation_mode="default")) == REFERENCES
     plugin_env.setenv("PORTASERVE_CPU_NATIVE", "0")
     plan = _plan(engine_tiny_config)
-    assert plan.custom_ops == () and "c_kernels" not in plan.platform_features
+    assert builtin_ops(plan) == REFERENCES and "c_kernels" not in plan.platform_features
 
 
 # ----- building and loading ------------------------------------------------------------------------
@@ -298,7 +303,7 @@ def test_no_compiler_means_torch_code_with_a_reason(fresh_loader, engine_tiny_co
     assert "no C compiler" in native.unavailable_reason()
     backend = CpuPagedAttentionBackend(AttentionSpecFor(torch.bfloat16), 16, torch.device("cpu"))
     assert backend._native is None  # decodes through SDPA
-    assert _plan(engine_tiny_config).custom_ops == ()
+    assert builtin_ops(_plan(engine_tiny_config)) == REFERENCES
 
 
 def test_disabled_by_the_environment(fresh_loader):

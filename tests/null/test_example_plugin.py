@@ -71,7 +71,7 @@ def test_listed_by_portaserve_platforms(platforms_json):
     example = plugins["example"]
     assert example["status"] == "loaded" and example["error"] is None
     assert example["distribution"] == EXAMPLE_DIST and example["version"] == metadata.version(EXAMPLE_DIST)
-    assert example["builtin"] is False and example["contract"] == "1.0" and example["platform"] == "example"
+    assert example["builtin"] is False and example["contract"] == "1.1" and example["platform"] == "example"
     assert example["contributes"] == {
         "attention_backends": ["example_paged"],
         "communicators": ["example_gloo"],
@@ -156,6 +156,25 @@ def test_selected_platform_and_its_components_work():
 
     backend_cls = registry.get("attention_backends", "example_paged")
     assert backend_cls.platforms == frozenset({"example"})
+
+
+def test_components_build_on_the_interfaces_only():
+    """The example's classes derive from portaserve's interfaces, never from another
+    platform's implementation (the CPU's backend, the framework's gloo communicator):
+    a vendor cannot rely on those staying as they are."""
+    registry = load_plugins(strict=False)
+    classes = [registry.platforms["example"]] + [
+        registry.get(kind, name)
+        for kind, name in (("attention_backends", "example_paged"), ("communicators", "example_gloo"),
+                           ("kv_cache_allocators", "example"))
+    ]
+    for cls in classes:
+        foreign = [
+            base.__module__ for base in cls.__mro__[1:]
+            if base.__module__.startswith("portaserve") and not base.__module__.startswith("portaserve.framework.interfaces")
+        ]
+        assert not foreign, f"{cls.__name__} derives from {foreign}"
+    assert registry.platforms["example"].ranks_share_device
 
 
 def test_broken_plugins_are_skipped_in_process():

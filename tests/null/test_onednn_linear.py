@@ -54,7 +54,7 @@ def test_dense_storage_is_freed_and_values_stay_readable():
     weight = layer.weight
     assert weight.shape == dense.shape and weight.dtype == dense.dtype
     assert weight.untyped_storage().nbytes() == dense.element_size()  # a placeholder, not a copy
-    assert torch.equal(weight.dense_data(), dense)
+    assert torch.equal(method.checkpoint_layout(layer, "weight"), dense)
     assert torch.equal(layer.state_dict()["weight"], dense)
     # what a live update does: new dense values in, then repack
     new = torch.randn_like(dense, dtype=torch.float32).to(dense.dtype)
@@ -64,6 +64,24 @@ def test_dense_storage_is_freed_and_values_stay_readable():
     torch.testing.assert_close(method.apply(layer, x, layer.bias), F.linear(x, new, layer.bias), rtol=0, atol=0)
     method.process_weights_after_loading(layer)  # a second run with nothing new is harmless
     assert torch.equal(layer.state_dict()["weight"], new)
+
+
+@pytest.mark.skipif(not DTYPES, reason="this CPU's oneDNN runs neither fp32 nor bf16 matmuls")
+def test_release_and_restore_weights():
+    """Sleep level 2 through the QuantMethod interface: the packed copy goes, the real
+    values (not the placeholder's) reach the host, and restoring repacks them."""
+    layer, method, dense = _layer(48, 32, DTYPES[-1], bias=True)
+    bias = layer.bias.data.clone()
+    x = torch.randn(3, 32).to(dense.dtype)
+    want = method.apply(layer, x, layer.bias)
+    saved = method.release_weights(layer)
+    assert layer.packed_weight is None
+    assert all(p.numel() == 0 for p in layer.parameters())
+    assert torch.equal(saved["weight"], dense) and torch.equal(saved["bias"], bias)
+    method.restore_weights(layer, saved)
+    assert layer.weight.shape == dense.shape and layer.packed_weight is not None
+    assert layer.weight.untyped_storage().nbytes() == dense.element_size()  # repacked: the placeholder again
+    torch.testing.assert_close(method.apply(layer, x, layer.bias), want, rtol=0, atol=0)
 
 
 def test_plan_uses_it_for_none_on_cpu_unless_compiling(plugin_env):

@@ -14,10 +14,19 @@ import pytest
 import torch
 
 from portaserve.framework.engine.params import SamplingParams
-from portaserve.framework.executor.sampler import Sampler, argmax_rows, compute_prompt_logprobs, topk_rows
+from portaserve.framework.executor.sampler import (
+    BLOCK_REDUCTIONS,
+    REUSE_BUFFERS,
+    Sampler,
+    argmax_rows,
+    compute_prompt_logprobs,
+    topk_rows,
+)
 from portaserve.framework.executor.sampling_state import SamplingState, seeded_uniform
 
 EOS = 0
+#: what the CPU platform declares: the sampler's host fast paths, tested here
+HOST = frozenset({BLOCK_REDUCTIONS, REUSE_BUFFERS})
 
 
 # ----- the naive reference -----------------------------------------------------------
@@ -85,7 +94,7 @@ def one_step(params: list[SamplingParams], logits: torch.Tensor, prompts=None, o
     for i, (rid, p) in enumerate(zip(ids, params)):
         state.add_request(rid, p, prompts[i] if prompts else [], outputs[i] if outputs else [], eos)
     meta = state.make_metadata(ids, logits.device)
-    return (sampler or Sampler())(logits, meta), meta
+    return (sampler or Sampler(features=HOST))(logits, meta), meta
 
 
 def special_params() -> list[tuple[SamplingParams, list[int], list[int]]]:
@@ -119,7 +128,7 @@ def test_processed_logits_match_reference():
     for i, (p, prompt, out) in enumerate(rows):
         state.add_request(f"r{i}", p, prompt, out, frozenset({EOS}))
     meta = state.make_metadata([f"r{i}" for i in range(len(rows))], "cpu")
-    got = Sampler().processed_logits(logits, meta)
+    got = Sampler(features=HOST).processed_logits(logits, meta)
     for i, (p, prompt, out) in enumerate(rows):
         want = ref_processed(logits[i], p, prompt, out)
         assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), i
@@ -153,8 +162,8 @@ def test_block_argmax_equals_torch_argmax_with_ties():
         x[1] = float("-inf")
         x[2, -1] = 100.0  # the maximum in the ragged last block
         x[3, :] = 1.0
-        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), vocab
-        assert argmax_rows(x)[1] == 0 and argmax_rows(x)[3] == 0
+        assert torch.equal(argmax_rows(x, blocked=True), x.argmax(dim=-1)), vocab
+        assert argmax_rows(x, blocked=True)[1] == 0 and argmax_rows(x, blocked=True)[3] == 0
 
 
 @pytest.mark.parametrize("vocab", [4096, 5000, 151936 // 16])
@@ -165,7 +174,7 @@ def test_block_topk_keeps_every_value_above_the_kth(vocab):
     x[2, -3:] = 50.0  # maxima in the ragged tail
     x[3, : vocab - 7] = float("-inf")  # fewer finite values than k
     for k in (1, 9, 16):
-        vals, ids = topk_rows(x, k)
+        vals, ids = topk_rows(x, k, blocked=True)
         want = torch.topk(x, k, dim=-1).values
         assert torch.equal(vals, want), k
         assert torch.equal(x.gather(1, ids), vals) and int(ids.max()) < vocab
@@ -173,6 +182,22 @@ def test_block_topk_keeps_every_value_above_the_kth(vocab):
             assert len(set(ids[r].tolist())) == k  # no duplicates
             above = set(torch.nonzero(x[r] > vals[r, -1]).view(-1).tolist())
             assert above <= set(ids[r].tolist())
+
+
+def test_host_fast_paths_sample_what_torch_kernels_do():
+    """A platform without the CPU's sampler features (an accelerator) takes torch's argmax,
+    topk and a fresh buffer per use; the tokens and logprobs are the same."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 151936 // 8
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, top_k=40, seed=1, logprobs=2),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=1.0, min_p=0.1, seed=4)]
+    host, _ = one_step(params, logits, sampler=Sampler(features=HOST))
+    plain, _ = one_step(params, logits, sampler=Sampler())
+    assert torch.equal(host.sampled_token_ids, plain.sampled_token_ids)
+    assert torch.equal(host.top_token_ids, plain.top_token_ids) and torch.equal(host.ranks, plain.ranks)
+    torch.testing.assert_close(host.logprobs, plain.logprobs)
 
 
 def test_all_greedy_builds_no_tensors():
@@ -312,8 +337,8 @@ def test_candidate_stages_give_the_full_sort_result(ties):
             SamplingParams(top_k=5000, top_p=0.99, seed=i),
         ][kind])
     logits = _large_vocab_logits(len(params), vocab, 7, ties)
-    small, _ = one_step(params, logits, sampler=Sampler(num_candidates=8))
-    full, _ = one_step(params, logits, sampler=Sampler(num_candidates=vocab))
+    small, _ = one_step(params, logits, sampler=Sampler(num_candidates=8, features=HOST))
+    full, _ = one_step(params, logits, sampler=Sampler(num_candidates=vocab, features=HOST))
     default, _ = one_step(params, logits)
     assert torch.equal(small.sampled_token_ids, full.sampled_token_ids)
     assert torch.equal(default.sampled_token_ids, full.sampled_token_ids)
@@ -339,7 +364,7 @@ def test_top_p_cut_on_a_value_tied_beyond_the_candidates():
     logits = torch.stack(rows)
     # masses 1 : 4 x e^-1 : 35 x e^-4 (total 3.11): top_p=0.4 keeps the top and one tied token
     params = [SamplingParams(top_p=0.4, seed=s) for s in range(60)]
-    out, _ = one_step(params, logits, sampler=Sampler(num_candidates=3))
+    out, _ = one_step(params, logits, sampler=Sampler(num_candidates=3, features=HOST))
     for i, t in enumerate(out.sampled_token_ids.tolist()):
         want = ref_distribution(ref_processed(logits[i], params[i], [], []), params[i])
         assert set(torch.nonzero(want).view(-1).tolist()) == supports[i]
@@ -353,7 +378,7 @@ def test_inverse_cdf_picks_the_reference_token_for_the_row_uniform():
     x = ((torch.randn(40, vocab, generator=gen) * 2) * 2).round() / 2  # ties
     params = [[SamplingParams(top_p=0.8, seed=i), SamplingParams(top_k=9, seed=i),
                SamplingParams(min_p=0.1, top_p=0.95, seed=i, temperature=0.5)][i % 3] for i in range(40)]
-    out, _ = one_step(params, x, sampler=Sampler(num_candidates=4))
+    out, _ = one_step(params, x, sampler=Sampler(num_candidates=4, features=HOST))
     for i, p in enumerate(params):
         probs = ref_distribution(ref_processed(x[i], p, [], []), p)
         z = x[i].double() / p.temperature
@@ -382,7 +407,7 @@ def _decode(runs: dict[str, SamplingParams], order_per_step, num_steps: int, voc
             preempt_at: int | None = None, preempt: str | None = None) -> dict[str, list[int]]:
     """Run a fake decode loop; `order_per_step(step)` gives the batch (req ids) of each step."""
     state = SamplingState()
-    sampler = Sampler()
+    sampler = Sampler(features=HOST)
     outs: dict[str, list[int]] = {r: [] for r in runs}
     prompts = {r: [1 + i, 2 + i] for i, r in enumerate(runs)}
     for r, p in runs.items():
@@ -538,4 +563,4 @@ def test_state_lifecycle():
     state.remove_request("a")
     assert "a" not in state and len(state) == 0
     with pytest.raises(ValueError, match="rows"):
-        Sampler()(torch.zeros(2, 5), SamplingState().make_metadata([], "cpu"))
+        Sampler(features=HOST)(torch.zeros(2, 5), SamplingState().make_metadata([], "cpu"))

@@ -1,6 +1,10 @@
 """Every Triton kernel of portaserve.kernels against its float64 torch reference, on CPU
 through the Triton interpreter, on fresh random inputs.
 
+With ``PORTASERVE_TRITON_TEST_DEVICE=cuda`` (any torch device other than cpu) the same tests
+run the compiled kernels on that device instead, with TRITON_INTERPRET unset
+(ci/gpu_check.sh does this on a GPU machine).
+
 Outputs (and unused cache slots) are NaN-poisoned before each run, so an element a
 kernel fails to write, or a slot it reads without being given it, shows as an error.
 Sizes are tiny: the interpreter runs every program in numpy.
@@ -8,15 +12,21 @@ Sizes are tiny: the interpreter runs every program in numpy.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 
 import pytest
 import torch
 
 from portaserve.kernels._interpret import interpreter_env
 
-with interpreter_env():  # triton and the kernels are decorated (interpreted or compiled) on import
+#: cpu: the interpreter (CI); another torch device: the compiled kernels there (a GPU check)
+DEVICE = torch.device(os.environ.get("PORTASERVE_TRITON_TEST_DEVICE") or "cpu")
+INTERPRET = DEVICE.type == "cpu"
+
+with interpreter_env() if INTERPRET else contextlib.nullcontext():  # triton and the kernels are decorated (interpreted or compiled) on import
     pytest.importorskip("triton")
     from portaserve.kernels.activation import silu_and_mul, silu_and_mul_ref
     from portaserve.kernels.kv_layout import kv_cache_shape
@@ -34,8 +44,19 @@ with interpreter_env():  # triton and the kernels are decorated (interpreted or 
 
 @pytest.fixture(autouse=True)
 def _triton_interpreter(monkeypatch):
-    """TRITON_INTERPRET=1 while each test runs (triton reads it at launch too), and only then."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """TRITON_INTERPRET=1 while each test runs (triton reads it at launch too), and only then;
+    on a GPU, TRITON_INTERPRET unset and tensors created on DEVICE by default."""
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        yield
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with DEVICE:
+        yield
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -138,7 +159,7 @@ GRID = list(itertools.product((64, 128), (16, 32), (1, 4, 8), DTYPES))
 )
 @pytest.mark.grid(keep=2)
 def test_paged_attention_grid(head_size, block_size, gqa, dtype):
-    gen = torch.Generator().manual_seed(head_size * 1000 + block_size * 10 + gqa)
+    gen = generator(head_size * 1000 + block_size * 10 + gqa)
     paged = Paged(mixed_seqs(block_size), block_size, 2, gqa, head_size, dtype, gen)
     err = run_attention(paged, padding=2)
     assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
@@ -150,7 +171,7 @@ def test_paged_attention_grid(head_size, block_size, gqa, dtype):
 def test_paged_attention_split_k(num_splits, dtype):
     # long decodes (the flash-decoding case) next to a short prefill; with 8 splits some
     # splits of the shorter contexts own no tile and must weigh zero in the reduce
-    gen = torch.Generator().manual_seed(num_splits)
+    gen = generator(num_splits)
     paged = Paged([(150, 1), (9, 1), (40, 3), (97, 1)], 16, 2, 4, 64, dtype, gen)
     err = run_attention(paged, num_splits=num_splits)
     assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
@@ -160,7 +181,7 @@ def test_paged_attention_split_k(num_splits, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("window", (1, 7, 40))
 def test_paged_attention_sliding_window(window, dtype):
-    gen = torch.Generator().manual_seed(window)
+    gen = generator(window)
     paged = Paged(mixed_seqs(16) + [(80, 1)], 16, 2, 4, 64, dtype, gen)
     err = run_attention(paged, sliding_window=window, num_splits=2 if window == 40 else 1)
     assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
@@ -169,7 +190,7 @@ def test_paged_attention_sliding_window(window, dtype):
 @pytest.mark.grid(keep=1)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 def test_paged_attention_soft_cap(dtype):
-    gen = torch.Generator().manual_seed(5)
+    gen = generator(5)
     paged = Paged(mixed_seqs(16), 16, 2, 4, 64, dtype, gen)
     # scale 1.0 gives logits of ~8: a cap of 3 changes the answer a lot
     err = run_attention(paged, scale=1.0, soft_cap=3.0)
@@ -185,7 +206,7 @@ def test_paged_attention_soft_cap(dtype):
 )
 @pytest.mark.grid(keep=1)
 def test_paged_attention_other_shapes(head_size, block_size, gqa):
-    gen = torch.Generator().manual_seed(head_size + gqa)
+    gen = generator(head_size + gqa)
     paged = Paged([(0, 21), (block_size + 3, 1), (5, 9)], block_size, 2, gqa, head_size, torch.float32, gen)
     err = run_attention(paged)
     assert err <= TOL[torch.float32], f"relative error {err:.3g}"
@@ -193,7 +214,7 @@ def test_paged_attention_other_shapes(head_size, block_size, gqa):
 
 def test_paged_attention_mqa_and_empty_query():
     # MQA (one KV head) and a scheduled sequence with no new tokens this step
-    gen = torch.Generator().manual_seed(11)
+    gen = generator(11)
     paged = Paged([(20, 4), (33, 0), (0, 17)], 16, 1, 8, 64, torch.float32, gen)
     assert run_attention(paged) <= TOL[torch.float32]
 
@@ -252,7 +273,7 @@ CACHE_GRID = list(itertools.product((64, 128), (16, 32), (1, 4), DTYPES))
 )
 @pytest.mark.grid(keep=2)
 def test_reshape_and_cache(head_size, block_size, num_kv_heads, dtype):
-    gen = torch.Generator().manual_seed(head_size + block_size + num_kv_heads)
+    gen = generator(head_size + block_size + num_kv_heads)
     num_blocks, num_tokens, num_padding = 5, 2 * block_size + 3, 2
     slots = torch.randperm(num_blocks * block_size, generator=gen)[: num_tokens + num_padding]
     # padding rows point at a live token's slot: writing them would corrupt it
@@ -279,7 +300,7 @@ NORM_SHAPES = [(5, 96), (3, 4, 128), (2, 1000)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rms_norm(shape, dtype):
-    gen = torch.Generator().manual_seed(sum(shape))
+    gen = generator(sum(shape))
     x = (3 * torch.randn(shape, generator=gen)).to(dtype)
     weight = torch.randn(shape[-1], generator=gen).to(dtype)
     out = torch.full(shape, NAN, dtype=dtype)
@@ -296,7 +317,7 @@ def test_rms_norm(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fused_add_rms_norm(shape, dtype):
-    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    gen = generator(sum(shape) + 1)
     x = torch.randn(shape, generator=gen).to(dtype)
     residual = (4 * torch.randn(shape, generator=gen)).to(dtype)
     weight = torch.randn(shape[-1], generator=gen).to(dtype)
@@ -315,7 +336,7 @@ def test_fused_add_rms_norm(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("shape", [(4, 2 * 64), (3, 2, 2 * 1500), (1, 2 * 11)], ids=lambda s: "x".join(map(str, s)))
 def test_silu_and_mul(shape, dtype):
-    gen = torch.Generator().manual_seed(sum(shape))
+    gen = generator(sum(shape))
     x = (2 * torch.randn(shape, generator=gen)).to(dtype)
     out = torch.full((*shape[:-1], shape[-1] // 2), NAN, dtype=dtype)
     silu_and_mul(x, out=out)
@@ -337,7 +358,7 @@ ROPE_GRID = list(itertools.product((True, False), (64, 128), DTYPES))
 )
 @pytest.mark.grid(keep=2)
 def test_rotary_embedding(is_neox, head_size, dtype):
-    gen = torch.Generator().manual_seed(head_size + is_neox)
+    gen = generator(head_size + is_neox)
     num_tokens, num_heads, num_kv_heads = 7, 4, 2
     positions = torch.randint(0, 200, (num_tokens,), generator=gen)
     cache = _cos_sin_cache(256, head_size, torch.float32)
@@ -356,7 +377,7 @@ def test_rotary_embedding(is_neox, head_size, dtype):
 
 @pytest.mark.parametrize("is_neox", (True, False), ids=("neox", "gptj"))
 def test_rotary_partial_and_flat(is_neox):
-    gen = torch.Generator().manual_seed(3)
+    gen = generator(3)
     positions = torch.randint(0, 64, (5,), generator=gen)
     # partial rotary: only the first 32 of 80 dims rotate, the rest pass through
     cache = _cos_sin_cache(64, 32, torch.float32)

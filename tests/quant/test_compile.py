@@ -1,7 +1,7 @@
 """Graph compilation: the plan's choice, torch.compile on the CPU (greedy output equal to
-eager, the on-disk cache reused), and the CUDA-graph decode path's bucketing, padding
-and capture/replay plumbing (exercised on the CPU with a stand-in graph that replays by
-re-running the captured function on its static buffers)."""
+eager, the on-disk cache reused), and the decode-graph path's bucketing, padding and
+capture/replay plumbing (exercised on the CPU with a stand-in `GraphCapture` that replays
+by re-running the captured function on its static buffers)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from portaserve.framework.config import EngineConfig
 from portaserve.framework.errors import UnsupportedError
 from portaserve.framework.executor import compile as compile_mod
 from portaserve.framework.executor.compile import (
-    CudaGraphForward,
+    DecodeGraphForward,
     EagerForward,
     TorchCompileForward,
     bucket_for,
@@ -26,6 +26,7 @@ from portaserve.framework.executor.compile import (
     same_structure,
 )
 from portaserve.framework.interfaces import AttentionBatch, PlatformCapabilities
+from portaserve.framework.interfaces.graph_capture import GraphCapture
 from portaserve.framework.plan import _choose_compilation
 
 PROMPTS = [list(range(1000, 1012)), list(range(5000, 5005)), [42, 43, 44, 45, 46, 47, 48]]
@@ -77,10 +78,28 @@ def test_build_forward_by_backend():
     model = torch.nn.Linear(2, 2)
     plan = lambda mode, backend: SimpleNamespace(compilation=SimpleNamespace(name=mode), compile_backend=backend, block_size=16)  # noqa: E731
     kw = dict(max_num_seqs=8, max_model_len=64)
-    assert type(compile_mod.build_forward(model, plan("none", None), torch.device("cpu"), **kw)) is EagerForward
-    assert isinstance(compile_mod.build_forward(model, plan("default", "cudagraphs"), torch.device("cpu"), **kw), CudaGraphForward)
+    graphs = ReplayByRerun()
+    assert type(compile_mod.build_forward(model, plan("none", None), **kw)) is EagerForward
+    # a backend the platform records graphs for (its graph_capture hook answered)
+    forward = compile_mod.build_forward(model, plan("default", "devicegraphs"), graph_capture=graphs, **kw)
+    assert isinstance(forward, DecodeGraphForward) and forward.graphs is graphs
     # an encoder has no decode steps: eager
-    assert type(compile_mod.build_forward(model, plan("default", "cudagraphs"), torch.device("cpu"), is_pooling=True, **kw)) is EagerForward
+    assert type(compile_mod.build_forward(model, plan("default", "devicegraphs"), graph_capture=graphs, is_pooling=True, **kw)) is EagerForward
+
+
+def test_graph_capture_is_the_platforms_hook():
+    """Which backend name means "replay recorded graphs" is the platform's to say: the
+    base Platform records none, and the CUDA platform records for "cudagraphs" only."""
+    from portaserve.framework.interfaces import DeviceInfo
+    from portaserve.platforms.cpu.platform import CpuPlatform
+    from portaserve.platforms.cuda.graphs import TorchCudaGraphs
+    from portaserve.platforms.cuda.platform import CudaPlatform
+
+    cpu = CpuPlatform(CpuPlatform.probe())
+    assert cpu.graph_capture("inductor") is None
+    cuda = CudaPlatform(DeviceInfo("cuda", "test GPU", 1, 2**30, 100, "test"))
+    assert isinstance(cuda.graph_capture("cudagraphs"), TorchCudaGraphs)
+    assert cuda.graph_capture("inductor") is None
 
 
 # ----- CUDA-graph bucketing and padding ----------------------------------------------------
@@ -151,8 +170,7 @@ def test_same_structure_and_copy():
 
 
 def test_prepare_pads_only_what_a_graph_serves():
-    fwd = CudaGraphForward(torch.nn.Identity(), max_num_seqs=8, max_model_len=32, block_size=4, device=torch.device("cpu"),
-                           graphs=object())
+    fwd = DecodeGraphForward(torch.nn.Identity(), max_num_seqs=8, max_model_len=32, block_size=4, graphs=ReplayByRerun())
     batch = _decode_batch([5, 9, 2], [[7, 3], [1, 2, 6], [4]])
     ids, pos = torch.tensor([11, 12, 13]), torch.tensor([4, 8, 1])
     assert fwd.prepare(batch, ids, pos)[0] is batch  # no KV cache yet: no pad slot
@@ -167,7 +185,7 @@ def test_prepare_pads_only_what_a_graph_serves():
 # ----- capture and replay, on the CPU --------------------------------------------------------
 
 
-class ReplayByRerun:
+class ReplayByRerun(GraphCapture):
     """Stands in for CUDA graphs: `capture` runs fn once (as the recording would) and
     `replay` re-runs it into the same output tensor, reading whatever the static input
     buffers hold then, so a buffer the forward forgets to refresh shows up as wrong tokens."""
@@ -218,8 +236,8 @@ def test_decode_graphs_replay_matches_eager(triton_on_cpu, checkpoint):
     eager = _greedy(llm)
     runner = _runner(llm)
     graphs = ReplayByRerun()
-    runner.forward = CudaGraphForward(runner.model, max_num_seqs=4, max_model_len=64, block_size=runner.block_size,
-                                      device=runner.device, graphs=graphs)
+    runner.forward = DecodeGraphForward(runner.model, max_num_seqs=4, max_model_len=64, block_size=runner.block_size,
+                                        graphs=graphs)
     runner.initialize_kv_cache(runner.num_blocks)  # again, with the padding block
     assert runner.kv_caches[0].shape[0] == runner.num_blocks + 1
     assert _greedy(llm) == eager

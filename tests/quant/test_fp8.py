@@ -136,3 +136,31 @@ def test_fp8_gated_by_feature_not_platform():
     assert Fp8Method.unsupported_reason(frozenset({"fp8_matmul"}), torch.bfloat16, {}) is None
     assert "fp8_matmul" in Fp8Method.unsupported_reason(frozenset({"int8_matmul", "triton"}), torch.bfloat16, {})
     assert Fp8Method.platforms is None
+
+
+def test_online_fp8_gives_a_live_update_its_float_layout():
+    """A weight update loads the checkpoint's float values into `checkpoint_layout`'s tensor
+    and processes again: that tensor is the dequantized weight, and a second processing
+    quantizes a new float weight like a fresh layer would."""
+    from torch import nn
+
+    method = Fp8Method()
+    layer = nn.Module()
+    method.create_weights(layer, 64, 32, torch.bfloat16, bias=False)
+    assert method.checkpoint_layout(layer, "weight") is None  # not processed: the checkpoint's layout
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    layer.weight.data.copy_(w)
+    method.process_weights_after_loading(layer)
+    floats = method.checkpoint_layout(layer, "weight")
+    assert floats.dtype == torch.bfloat16 and floats.shape == (32, 64)
+    assert (floats.float() - w.float()).norm() / w.float().norm() < 0.05
+    new = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    floats.copy_(new)
+    layer.weight = nn.Parameter(floats, requires_grad=False)
+    method.process_weights_after_loading(layer)
+    fresh = nn.Module()
+    method.create_weights(fresh, 64, 32, torch.bfloat16, bias=False)
+    fresh.weight.data.copy_(new)
+    Fp8Method().process_weights_after_loading(fresh)
+    assert torch.equal(layer.weight.view(torch.uint8), fresh.weight.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, fresh.weight_scale)

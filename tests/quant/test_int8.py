@@ -4,7 +4,6 @@ agreement, weight memory measured from the parameters)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -64,15 +63,20 @@ def test_cpu_kernels_vs_reference(kernel_cls, dtype, shape):
 
 
 def test_kernel_choice():
-    cpu = torch.device("cpu")
+    """By the platform's declared features, never by the device."""
+    from portaserve.platforms.cpu.platform import CpuPlatform
+
+    cpu = CpuPlatform(CpuPlatform.probe()).capabilities().features
+    assert "int8_weight_pack_mm" in cpu
     assert isinstance(choose_int8_kernel(cpu, torch.bfloat16, 896), CpuInt8PackKernel)
     # torch 2.13's bf16 int8pack path segfaults on AVX-512 unless in_features % 16 == 0
     # (136 crashes there): the fallback serves those
     assert isinstance(choose_int8_kernel(cpu, torch.bfloat16, 37), TorchDequantKernel)
     assert isinstance(choose_int8_kernel(cpu, torch.bfloat16, 136), TorchDequantKernel)
-    # neither a CPU nor a Triton device (XLA, or any other): the plain torch kernel
-    assert isinstance(choose_int8_kernel(torch.device("meta"), torch.float16, 896), TorchDequantKernel)
-    assert TritonInt8Kernel.can_run(torch.device("cuda", 0), torch.bfloat16, 896) == (importlib.util.find_spec("triton") is not None)
+    # a platform with Triton (the GPUs) gets the Triton kernel, one with neither (XLA) the torch one
+    gpu = frozenset({"int8_matmul", "triton"})
+    assert isinstance(choose_int8_kernel(gpu, torch.bfloat16, 37), TritonInt8Kernel)
+    assert isinstance(choose_int8_kernel(frozenset({"int8_matmul", "xla"}), torch.float16, 896), TorchDequantKernel)
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "LlamaForCausalLM"])

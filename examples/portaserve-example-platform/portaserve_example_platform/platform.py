@@ -29,6 +29,9 @@ class ExamplePlatform(Platform):
     name = "example"
     device_type = "cpu"
     dist_backend = "gloo"
+    # Like the cpu platform, several tensor-parallel ranks share the one host: `--tensor-
+    # parallel-size 2` needs no second device, and the kit runs its 2-process collectives here.
+    ranks_share_device = True
 
     @classmethod
     def probe(cls) -> DeviceInfo:
@@ -52,6 +55,10 @@ class ExamplePlatform(Platform):
             features=frozenset(),
             compile_backends={"default": "inductor"},
             default_compilation_mode="none",
+            # what example_paged serves; the engine's usual 16 is the default
+            block_sizes=frozenset({8, 16, 32, 64, 128}),
+            default_block_size=16,
+            preferred_dtypes=(torch.bfloat16, torch.float32, torch.float16),
         )
 
     def preferred_attention_backends(self) -> tuple[str, ...]:
@@ -72,8 +79,3 @@ class ExamplePlatform(Platform):
     def _default_kv_cache_bytes(self, local_rank: int) -> int:
         available, _total = host_memory()
         return int(min(DEFAULT_KV_CACHE_BYTES, available // 4))
-
-    def _check_rank(self, local_rank: int) -> None:
-        # Like the cpu platform, several ranks may share the one host.
-        if local_rank < 0:
-            raise ValueError(f"local_rank must be >= 0, got {local_rank}")
