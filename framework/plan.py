@@ -70,10 +70,16 @@ class ExecutionPlan:
     #: Where the dtype and the KV block size came from (the user, the checkpoint, the platform).
     dtype_choice: Choice = Choice("float32", "default")
     block_size_choice: Choice = Choice("16", "default")
+    #: True when the model is the platform's own implementation of the architecture.
+    platform_model: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def model_class(self, registry: PluginRegistry):
+        """The architecture class the plan chose (the platform's own or the generic one)."""
+        return registry.architecture(self.model_architecture.name, self.platform.name, generic=not self.platform_model)
 
     def attention_backend_for(self, layer_type: str) -> str:
         return dict(self.attention)[layer_type]
@@ -136,7 +142,7 @@ def resolve_plan(
     caps = platform.capabilities()
     platform_row = Choice(platform.name, platform_choice.reason, platform_choice.rejected)
 
-    arch_choice, arch_cls = _choose_architecture(registry, hf_config, platform.name)
+    arch_choice, arch_cls = _choose_architecture(registry, hf_config, platform.name, config.tensor_parallel_size)
     dtype_choice = _choose_dtype(config, platform, hf_config)
     dtype = dtype_choice.name
     block_size_choice = _choose_block_size(config, platform)
@@ -177,6 +183,8 @@ def resolve_plan(
         unquantized_method=unquantized,
         dtype_choice=dtype_choice,
         block_size_choice=block_size_choice,
+        platform_model=registry.platform_models.get((platform.name, arch_choice.name)) is not None
+        and arch_cls is registry.platform_models[(platform.name, arch_choice.name)].load(),
         **_choose_prefill_cap(config, platform, is_pooling=bool(getattr(arch_cls, "is_pooling", False))),
     )
 
@@ -220,13 +228,12 @@ def attention_candidates(registry: PluginRegistry, platform: Platform) -> tuple[
     return tuple(out)
 
 
-def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any], platform: str):
+def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any], platform: str, tp: int = 1):
     archs = list(hf_config.get("architectures") or [])
     known = registry.architecture_names(platform)
     for arch in archs:
         if arch not in known:
             continue
-        cls = registry.architecture(arch, platform)
         gguf = hf_config.get("portaserve_gguf")
         if gguf:
             from .gguf.config import describe_gguf
@@ -234,18 +241,36 @@ def _choose_architecture(registry: PluginRegistry, hf_config: Mapping[str, Any],
             reason = describe_gguf(gguf)
         else:
             reason = f"config.json architectures lists {arch}"
+        rejected: list[tuple[str, str]] = []
         own = registry.platform_models.get((platform, arch))
-        if own is None:
-            return Choice(arch, reason), cls
-        rejected = ()
-        if arch in registry.components["model_architectures"]:
-            generic = registry.components["model_architectures"][arch]
-            rejected = ((f"{arch} ({generic.plugin})", f"platform {platform} has its own implementation"),)
-        return Choice(arch, f"{reason}; platform {platform}'s own implementation from plugin {own.plugin}", rejected), cls
+        if own is not None:
+            cls = own.load()
+            why = _arch_unsupported(cls, hf_config, tp)
+            if why is None:
+                if arch in registry.components["model_architectures"]:
+                    generic = registry.components["model_architectures"][arch]
+                    rejected.append((f"{arch} ({generic.plugin})", f"platform {platform} has its own implementation"))
+                return Choice(arch, f"{reason}; platform {platform}'s own implementation from plugin {own.plugin}",
+                              tuple(rejected)), cls
+            rejected.append((f"{arch} ({own.plugin}, platform {platform}'s own)", why))
+            if arch not in registry.components["model_architectures"]:
+                raise UnsupportedError(f"model: platform {platform}'s {arch} (plugin {own.plugin}) cannot run it: {why}")
+        cls = registry.get("model_architectures", arch)
+        why = _arch_unsupported(cls, hf_config, tp)
+        if why is not None:
+            raise UnsupportedError(f"model: {arch} cannot run this checkpoint: {why}")
+        if rejected:
+            reason += f"; the generic implementation (platform {platform}'s own cannot run it)"
+        return Choice(arch, reason, tuple(rejected)), cls
     raise UnsupportedError(
         f"model: architecture {archs or '(none listed)'} is not supported; supported architectures: "
         f"{', '.join(known) or 'none registered'} (a plugin can add one through portaserve_model_architectures)"
     )
+
+
+def _arch_unsupported(cls, hf_config: Mapping[str, Any], tp: int) -> str | None:
+    check = getattr(cls, "unsupported_reason", None)  # 1.0 architectures need not subclass the interface
+    return check(hf_config, tp) if check is not None else None
 
 
 def _choose_dtype(config: EngineConfig, platform: Platform, hf_config: Mapping[str, Any]) -> Choice:

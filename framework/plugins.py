@@ -173,10 +173,10 @@ class PluginRegistry:
     def names(self, kind: str) -> list[str]:
         return sorted(self.components[kind])
 
-    def architecture(self, name: str, platform: str) -> Any:
+    def architecture(self, name: str, platform: str, *, generic: bool = False) -> Any:
         """The model class for architecture `name` on `platform`: the platform's own
-        implementation when a plugin registered one, else the generic one."""
-        comp = self.platform_models.get((platform, name))
+        implementation when a plugin registered one (unless `generic`), else the generic one."""
+        comp = None if generic else self.platform_models.get((platform, name))
         if comp is not None:
             return comp.load()
         return self.get("model_architectures", name)

@@ -68,7 +68,7 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
     # None: PORTASERVE_STRICT_PLUGINS decides
     choice = choose_platform(registry, config.device, strict=config.strict_plugins or None, can_serve=can_serve)
     plan = resolve_plan(config, registry, choice, hf_config)
-    arch = registry.architecture(plan.model_architecture.name, plan.platform.name)
+    arch = plan.model_class(registry)
     limit, source = arch.max_model_len(hf_config), "max_position_embeddings"
     st_limit = hf_config.get("portaserve_max_seq_length")
     if st_limit and st_limit < limit:

@@ -46,7 +46,7 @@ def build_model(
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is out of range for tensor_parallel_size {tp_size}")
     hf_config = load_hf_config(model_path)
-    arch_cls = registry.architecture(plan.model_architecture.name, plan.platform.name)
+    arch_cls = plan.model_class(registry)
     ctx = LayerContext.from_plan(plan, registry, device, tp_rank, tp_size, communicator)
     start = time.perf_counter()
     # Parameters are allocated where they will live; no CPU staging copy of the model.

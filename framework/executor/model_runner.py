@@ -68,7 +68,7 @@ class ModelRunner:
         self.tp_size = tp_size
         self.communicator = communicator
         self.block_size = self.plan.block_size
-        self.arch_cls = registry.architecture(self.plan.model_architecture.name, self.plan.platform.name)
+        self.arch_cls = self.plan.model_class(registry)
         self.layer_types = list(self.arch_cls.attention_layer_types(spec.hf_config))
         # Backend instances used to build per-step metadata (stateless besides their spec).
         self.backends = LayerContext.from_plan(self.plan, registry, self.device, tp_rank, tp_size).attention_backends()

@@ -4,7 +4,7 @@ from .attention import AttentionBackend, AttentionBatch, AttentionMetadata, Atte
 from .communicator import Communicator
 from .graph_capture import CapturedGraph, GraphCapture
 from .kv_cache import KVCacheAllocator
-from .model import ModelArchitecture
+from .model import ModelArchitecture, ModelBuildContext, ModelStepContext
 from .platform import (
     SCORE_ACCELERATOR,
     SCORE_CPU,
@@ -27,6 +27,8 @@ __all__ = [
     "GraphCapture",
     "KVCacheAllocator",
     "ModelArchitecture",
+    "ModelBuildContext",
+    "ModelStepContext",
     "Platform",
     "PlatformCapabilities",
     "ProbeResult",

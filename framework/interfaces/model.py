@@ -1,19 +1,88 @@
 """The model-architecture interface the engine runs, registered by name through
-`portaserve_model_architectures` (the HF `architectures` entry of config.json)."""
+`portaserve_model_architectures` (the HF `architectures` entry of config.json), or for
+one platform through `portaserve_platform_model_architectures`.
+
+What a model receives from the engine is described here by two Protocols, so a plugin
+writes a model against this module alone: `ModelBuildContext` (the `ctx` given to
+`build`; the engine's `LayerContext`) and `ModelStepContext` (the `step` given to
+`forward`; the engine's `StepContext`).
+
+What the engine expects of a model, besides the methods below:
+
+- **Linear layers** are modules with a `quant_method` attribute (from
+  `ctx.quant_method(prefix)`) whose parameters that method created with
+  `create_weights`. After loading, the engine calls
+  `quant_method.process_weights_after_loading(module)` on every module that has one,
+  and for sleep level 2 `release_weights` / `restore_weights`; a module without the
+  attribute is never touched. An LM head (never quantized) uses
+  `ctx.quant_method(prefix, unquantized=True)`; one tied to the embedding sets
+  `keep_dense_weight = True` on itself so a repacking method keeps the dense weight the
+  embedding reads.
+- **Loading** (`load_weights`) routes every checkpoint tensor through
+  `getattr(param, "weight_loader", default)(param, tensor[, shard_id])`: a live weight
+  update replaces those loaders to stage new values, so a model that copies directly
+  would change serving weights unstaged. Parameters a method marks
+  `derived_after_loading` (computed scales) are not expected from the checkpoint.
+  Names that match nothing, and parameters left unfilled, raise
+  `portaserve.framework.errors.InvalidParameterError` (the update path reports those to
+  the caller and keeps serving; other exceptions are engine errors).
+- **Attention** goes through `ctx.attention_backend(layer_type)`; layer `i`'s cache is
+  `step.kv_caches[i]` in `attention_layer_types` order.
+- **Ops** are called by name, `ctx.ops.get("rms_norm")(x, w, eps)`: the platform's
+  implementation or the torch reference (see `interfaces.ops`).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
-from .attention import AttentionSpec
+from .attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from .communicator import Communicator
+from .quantization import QuantMethod
 
-if TYPE_CHECKING:
-    from portaserve.framework.layer_context import LayerContext
+
+class OpLookup(Protocol):
+    def get(self, name: str) -> Callable:
+        """The bound implementation of op `name` (the platform's, else the reference);
+        KeyError naming the declared ops for an undeclared one."""
+
+
+class ModelBuildContext(Protocol):
+    """What `ModelArchitecture.build` receives (the engine's `LayerContext`)."""
+
+    #: activation dtype of the plan; `device`: where parameters live on this rank
+    dtype: torch.dtype
+    device: torch.device
+    #: tensor-parallel rank and size; `communicator` is None at size 1
+    tp_rank: int
+    tp_size: int
+    communicator: Communicator | None
+    ops: OpLookup
+
+    def quant_method(self, prefix: str = "", *, unquantized: bool = False) -> QuantMethod:
+        """A fresh QuantMethod for the linear layer at `prefix` ("model.layers.0.mlp.down_proj")."""
+
+    def attention_backend(self, layer_type: str) -> AttentionBackend:
+        """The backend instance serving `layer_type` layers on this rank (heads already split)."""
+
+    def rank_spec(self, layer_type: str) -> AttentionSpec:
+        """`layer_type`'s AttentionSpec as this rank sees it (heads split across ranks)."""
+
+
+class ModelStepContext(Protocol):
+    """What `forward` receives each step (the engine's `StepContext`)."""
+
+    #: layer type -> the metadata its backend built for this step
+    attn_metadata: Mapping[str, AttentionMetadata]
+    #: one cache tensor per attention layer, in `attention_layer_types` order; empty for encoders
+    kv_caches: Sequence[torch.Tensor]
+    #: [num_seqs + 1] int32 host offsets of each sequence's tokens (pooling needs them)
+    query_start_loc: torch.Tensor | None
 
 
 class ModelArchitecture(nn.Module, ABC):
@@ -36,12 +105,21 @@ class ModelArchitecture(nn.Module, ABC):
 
     @classmethod
     @abstractmethod
-    def build(cls, hf_config: Mapping[str, Any], ctx: "LayerContext") -> "ModelArchitecture":
+    def build(cls, hf_config: Mapping[str, Any], ctx: ModelBuildContext) -> "ModelArchitecture":
         """Construct the module (parameters on ctx's device, uninitialized) for this rank."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into parameters; returns the names it loaded."""
+
+    @classmethod
+    def unsupported_reason(cls, hf_config: Mapping[str, Any], tensor_parallel_size: int) -> str | None:
+        """Why this implementation cannot run the checkpoint `hf_config` split over
+        `tensor_parallel_size` ranks (a rope scaling it lacks, KV heads that do not divide),
+        or None. The plan asks before any weight loads; for a platform's own
+        implementation, a reason makes the plan fall back to the generic one and say why.
+        (Contract 1.1; the default accepts everything.)"""
+        return None
 
     @classmethod
     def max_model_len(cls, hf_config: Mapping[str, Any]) -> int:

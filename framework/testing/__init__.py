@@ -30,7 +30,11 @@ ops and quant methods it contributes. The checks:
   reference of every op the platform's plugin declares, run on the device;
 - ``test_quant_methods.py``: every `QuantMethod` the plan could choose on the platform
   (its own and the generic ones) against `F.linear` on the float weight
-  (:mod:`.quant_checks`; `QuantMethod.conformance_weights` / `conformance_tolerance`).
+  (:mod:`.quant_checks`; `QuantMethod.conformance_weights` / `conformance_tolerance`);
+- ``test_platform_models.py``: every model implementation the platform brings for itself
+  served by the engine on the platform, against the generic implementation on the host
+  platform: greedy tokens and prompt-token logprobs on a tiny checkpoint from the
+  architecture's checkpoint writer.
 
 When the platform is unavailable every device check fails with the probe's reason
 (skips with ``--allow-unavailable``): a CI job on the wrong machine is never green. The

@@ -150,3 +150,113 @@ def test_kit_rejects_an_unknown_platform(tmp_path):
     proc = run_kit(tmp_path, "--platform", "no_such_platform", "-k", "probe")
     assert proc.returncode != 0
     assert "platform 'no_such_platform' is not registered" in proc.stdout
+
+
+BAD_MODEL_PLUGIN = '''
+"""A platform whose own Llama scales its logits by 1.05: close, wrong."""
+import torch
+from portaserve.framework.hookspecs import hookimpl
+from portaserve.framework.interfaces import DeviceInfo, Platform, PlatformCapabilities
+from portaserve.framework.distributed import TorchDistributedCommunicator
+from portaserve.models.llama import LlamaForCausalLM
+from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
+from portaserve.platforms.cpu.kv_cache import HostKVCacheAllocator
+
+PORTASERVE_CONTRACT = "1.1"
+
+
+class Attn(CpuPagedAttentionBackend):
+    name = "badmodel_paged"
+    platforms = frozenset({"badmodel"})
+
+
+class Kv(HostKVCacheAllocator):
+    name = "badmodel_kv"
+    platforms = frozenset({"badmodel"})
+
+
+class Comm(TorchDistributedCommunicator):
+    name = "badmodel_gloo"
+    platforms = frozenset({"badmodel"})
+    dist_backend = "gloo"
+
+
+class BadModelPlatform(Platform):
+    name = "badmodel"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    ranks_share_device = True
+
+    @classmethod
+    def probe(cls):
+        return DeviceInfo(cls.name, "host", 1, 2**33, -30, "always")
+
+    def capabilities(self):
+        return PlatformCapabilities(dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset({"auto"}))
+
+    def preferred_attention_backends(self):
+        return ("badmodel_paged",)
+
+    def default_communicator(self):
+        return "badmodel_gloo"
+
+    def default_kv_cache_allocator(self):
+        return "badmodel_kv"
+
+    def _torch_device(self, local_rank):
+        return torch.device("cpu")
+
+    def _memory_info(self, local_rank):
+        return (2**33, 2**33)
+
+
+class OffByFivePercent(LlamaForCausalLM):
+    def compute_logits(self, hidden):
+        return super().compute_logits(hidden) * 1.05
+
+
+@hookimpl
+def portaserve_platform():
+    return BadModelPlatform
+
+
+@hookimpl
+def portaserve_platform_model_architectures():
+    return {"badmodel": {"LlamaForCausalLM": OffByFivePercent}}
+
+
+@hookimpl
+def portaserve_attention_backends():
+    return {Attn.name: Attn}
+
+
+@hookimpl
+def portaserve_kv_cache_allocators():
+    return {Kv.name: Kv}
+
+
+@hookimpl
+def portaserve_communicators():
+    return {Comm.name: Comm}
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_kit_catches_a_platform_model_that_drifts_from_the_generic_one(tmp_path):
+    site = tmp_path / "site"
+    info = site / "bad_model_plugin-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-model-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[portaserve.platforms]\nbadmodel = bad_model_plugin\n")
+    (site / "bad_model_plugin.py").write_text(BAD_MODEL_PLUGIN)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "portaserve.framework.testing.test_platform_models", "-q",
+         "-p", "no:cacheprovider", "--platform", "badmodel"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("PORTASERVE_")}, **env},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "badmodel's LlamaForCausalLM: prompt 0" in out and "logprobs differ from the generic model's" in out, out[-4000:]

@@ -103,6 +103,21 @@ def test_plan_takes_novas_defaults_and_components(llama):
     assert registry.architecture(ARCH, "cpu").__module__ == "portaserve.models.llama"
 
 
+def test_novas_model_declines_what_it_cannot_run_and_the_generic_one_serves(llama):
+    from portaserve.framework.checkpoint import load_hf_config
+    from portaserve.framework.config import EngineConfig
+    from portaserve.framework.plan import resolve_plan
+    from portaserve.framework.plugins import get_registry
+    from portaserve.framework.selection import choose_platform
+
+    registry = get_registry()
+    hf_config = {**load_hf_config(llama), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    plan = resolve_plan(EngineConfig.create(model=llama, device="nova"), registry, choose_platform(registry, "nova"), hf_config)
+    assert not plan.platform_model and plan.model_class(registry).__module__ == "portaserve.models.llama"
+    (name, why), = plan.model_architecture.rejected
+    assert name == f"{ARCH} (nova, platform nova's own)" and "not 'dynamic'" in why
+
+
 def test_block_size_the_platform_cannot_serve_fails_before_loading(llama):
     from portaserve.framework.errors import UnsupportedError
 

@@ -329,6 +329,39 @@ def test_a_platform_model_is_preferred_on_its_platform_only(plugins):
     assert "own implementation" not in cpu_plan.model_architecture.reason
 
 
+PICKY_MODEL = """
+from portaserve.models.llama import LlamaForCausalLM
+
+
+class PickyLlama(LlamaForCausalLM):
+    @classmethod
+    def unsupported_reason(cls, hf_config, tensor_parallel_size):
+        if hf_config.get("rope_scaling"):
+            return "rope scaling is not implemented here"
+        return None
+
+
+@hookimpl
+def portaserve_platform_model_architectures():
+    return {"acme": {"LlamaForCausalLM": PickyLlama}}
+"""
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512,
+         "torch_dtype": "float32"}
+
+
+def test_a_platform_model_that_declines_a_checkpoint_falls_back_to_the_generic_one(plugins):
+    registry = registry_with(acme(plugins, extra=PICKY_MODEL))
+    plan = plan_for(registry, "acme", LLAMA)
+    assert plan.platform_model and plan.model_class(registry).__name__ == "PickyLlama"
+    scaled = {**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    plan = plan_for(registry, "acme", scaled)
+    assert not plan.platform_model and plan.model_class(registry).__name__ == "LlamaForCausalLM"
+    assert "the generic implementation (platform acme's own cannot run it)" in plan.model_architecture.reason
+    assert plan.model_architecture.rejected == (("LlamaForCausalLM (acme, platform acme's own)", "rope scaling is not implemented here"),)
+
+
 def test_two_plugins_registering_one_platform_model_fail_the_second(plugins):
     registry = registry_with(acme(plugins, extra=OWN_MODEL), plugins.add("copycat", "\nPORTASERVE_CONTRACT = '1.1'\n" + OWN_MODEL, group=PLUGIN_GROUP))
     assert "for platform 'acme' is already registered by plugin 'acme'" in registry.record("copycat").error

@@ -56,7 +56,7 @@ class PagedRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = plan.block_size
-        arch = registry.architecture(plan.model_architecture.name, plan.platform.name)
+        arch = plan.model_class(registry)
         self.layer_types = arch.attention_layer_types(hf_config)
         # this rank's heads: the KV cache holds only this rank's share
         self.backends = LayerContext.from_plan(plan, registry, self.device, tp_rank, tp_size).attention_backends()

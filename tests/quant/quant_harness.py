@@ -47,7 +47,7 @@ def prompt_logits(loaded: Loaded, prompt: Sequence[int]) -> torch.Tensor:
     """float32 logits [len(prompt), vocab] of one prompt, prefilled in one step."""
     model, plan, registry = loaded.model, loaded.plan, loaded.registry
     backends = LayerContext.from_plan(plan, registry, torch.device("cpu")).attention_backends()
-    arch = registry.architecture(plan.model_architecture.name, plan.platform.name)
+    arch = plan.model_class(registry)
     n = len(prompt)
     num_blocks = -(-n // BLOCK_SIZE) + 1
     layer_types = arch.attention_layer_types(loaded.hf_config)

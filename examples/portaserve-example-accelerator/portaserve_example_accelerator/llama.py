@@ -293,6 +293,19 @@ class NovaLlamaForCausalLM(ModelArchitecture):
     is_pooling = False
 
     @classmethod
+    def unsupported_reason(cls, hf_config, tensor_parallel_size: int) -> str | None:
+        """Asked by the plan before anything loads: a checkpoint this model cannot run goes
+        to portaserve's generic Llama instead (the plan says why)."""
+        try:
+            cfg = LlamaConfig.from_hf(hf_config)
+        except UnsupportedError as exc:
+            return str(exc).removeprefix("model: ")
+        if cfg.num_heads % tensor_parallel_size or cfg.num_kv_heads % tensor_parallel_size:
+            return (f"nova's LlamaForCausalLM splits heads evenly: {cfg.num_heads} query and {cfg.num_kv_heads} KV "
+                    f"heads do not divide by tensor_parallel_size {tensor_parallel_size}")
+        return None
+
+    @classmethod
     def attention_specs(cls, hf_config, dtype: torch.dtype, kv_cache_dtype: str) -> dict[str, AttentionSpec]:
         cfg = LlamaConfig.from_hf(hf_config)
         return {
