@@ -35,10 +35,9 @@ def bench_steps(batch: int, steps: int, prompt_len: int, block_size: int, hash_a
             Request(f"r{i}", [(i * 7 + j) % 30000 for j in range(prompt_len)], SamplingParams(max_tokens=steps + 16),
                     eos_token_ids=frozenset({2}), max_tokens=steps + 16)
         )
-    empty = {}
 
     def run(so):
-        return ModelRunnerOutput({rid: 100 + (len(rid) % 50) for rid in so.num_scheduled_tokens}, empty, empty, empty)
+        return ModelRunnerOutput(sampled_token_ids={rid: 100 + (len(rid) % 50) for rid in so.num_scheduled_tokens})
 
     so = sched.schedule()  # the prefill step, not timed
     sched.update_from_output(so, run(so))

@@ -10,7 +10,7 @@ PORTASERVE_CONTRACT = "1.1"
 @hookimpl
 def portaserve_quant_methods():
     return {
-        "none": "portaserve.framework.unquantized:UnquantizedMethod",
+        "none": "portaserve.framework.quantization.unquantized:UnquantizedMethod",
         "int8": "portaserve.framework.quantization.int8:Int8WeightOnlyMethod",
         "fp8": "portaserve.framework.quantization.fp8:Fp8Method",
         "compressed-tensors": "portaserve.framework.quantization.compressed_tensors:CompressedTensorsMethod",

@@ -12,10 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import InvalidParameterError
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
-COMPILATION_MODES = ("none", "default", "max")
-EXECUTOR_BACKENDS = ("auto", "uni", "mp", "ray")
+# The choices of a few fields, named so other modules read them with typing.get_args
+# (the CLI derives every flag's choices from the field annotations).
+#: torch.compile modes (`compilation_mode`); a platform's `compile_backends` keys are among them
+CompilationMode = Literal["none", "default", "max"]
+KVCacheDtype = Literal["auto", "fp8"]
 
 
 class EngineConfig(BaseModel):
@@ -43,7 +44,7 @@ class EngineConfig(BaseModel):
     block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: the platform's default")
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks (tests)")
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -60,7 +61,7 @@ class EngineConfig(BaseModel):
                            "for node_rank > 0")
     attention_backend: str | None = None
     quantization: str | None = None
-    compilation_mode: Literal["none", "default", "max"] | None = None
+    compilation_mode: CompilationMode | None = None
     enforce_eager: bool = False
     seed: int = 0
     max_logprobs: int = Field(20, ge=0)

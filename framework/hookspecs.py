@@ -41,7 +41,10 @@ History:
   members for what the engine used to reach around the contract: the Communicator
   constructor and ``weight_update_group``, the QuantMethod loader conventions and
   ``release_weights`` / ``restore_weights`` (sleep level 2, weight updates),
-  ``Platform.ray_resource``, ``Platform.graph_capture`` and ``Platform.compute_units``.
+  ``Platform.ray_resource``, ``Platform.graph_capture`` and ``Platform.compute_units``;
+  ``AttentionBackend.forward`` a public wrapper that checks shapes, dtypes, the cache
+  and ``AttentionBackend.metadata_type`` and calls the ``_forward`` a backend defines (a
+  1.0 backend that overrides ``forward`` itself keeps working, unchecked).
   All have defaults, so 1.0 plugins load unchanged.
 """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -132,4 +131,3 @@ class StepContext:
     kv_caches: Sequence[torch.Tensor] = ()
     #: query_start_loc: [num_seqs + 1] int32 on the host (pooling needs sequence bounds)
     query_start_loc: torch.Tensor | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)

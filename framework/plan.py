@@ -8,9 +8,8 @@ the platform cannot serve fails here with what is supported instead.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -115,12 +114,6 @@ class ExecutionPlan:
         if self.custom_ops:
             lines.append("  ops                 " + ", ".join(f"{op}={impl}" for op, impl in self.custom_ops))
         return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["attention_specs"] = {t: {**asdict(s), "dtype": dtype_name(s.dtype)} for t, s in self.attention_specs}
-        out["attention"] = {t: asdict(c) for t, c in self.attention}
-        return json.loads(json.dumps(out, default=str))
 
 
 def checkpoint_dtype(hf_config: Mapping[str, Any]) -> str:

@@ -1,5 +1,7 @@
-"""portaserve.kernels: Triton kernels, each beside its torch reference, and the attention
-backends built on them.
+"""portaserve.kernels: portable kernels that no single platform owns, and the attention
+backends built on them: Triton kernels (each beside its torch reference), for every
+platform that declares the "triton" feature, and the XLA paged attention (torch_xla
+ops, static shapes), for the TPU.
 
 - `reshape_and_cache`, `paged_attention` (unified prefill/decode, split-K), `rms_norm`,
   `activation` (SiLU-and-mul), `rotary`: kernels + launchers + `*_ref` references;

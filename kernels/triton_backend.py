@@ -79,6 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    metadata_type = TritonAttentionMetadata
     # Any platform that declares the "triton" feature (a vendor's plugin included; the CPU
     # under the Triton interpreter too): nothing here names a platform.
     platforms = None
@@ -136,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
             work=work,
         )
 
-    def forward(
+    def _forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -152,10 +153,6 @@ class TritonAttentionBackend(AttentionBackend):
         :param kv_cache: [num_blocks, 2, num_kv_heads, block_size, head_size]
         :returns: [num_tokens, num_heads, head_size]; rows past num_actual_tokens are unspecified.
         """
-        if kv_cache is None:
-            raise ValueError("triton attention backend: a KV cache is required (encoder attention is not supported)")
-        if not isinstance(metadata, TritonAttentionMetadata):
-            raise TypeError(f"triton attention backend got {type(metadata).__name__}, not TritonAttentionMetadata")
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         fp8 = kv_cache.dtype.itemsize == 1
         if fp8:

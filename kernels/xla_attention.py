@@ -127,6 +127,7 @@ class XlaPagedAttentionBackend(AttentionBackend):
     """
 
     name = "xla_paged"
+    metadata_type = XlaAttentionMetadata
     platforms = frozenset({"tpu"})
     # bf16 is what TPU MXUs multiply; fp16 is emulated there (the TPU platform excludes it)
     supported_dtypes = frozenset({torch.bfloat16, torch.float32})
@@ -190,7 +191,7 @@ class XlaPagedAttentionBackend(AttentionBackend):
             write=real > 0,
         )
 
-    def forward(
+    def _forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -206,10 +207,6 @@ class XlaPagedAttentionBackend(AttentionBackend):
         :param kv_cache: [num_blocks, block_size, 2, num_kv_heads, head_size]
         :returns: [num_tokens, num_heads, head_size]; rows past num_actual_tokens are zeros.
         """
-        if kv_cache is None:
-            raise ValueError("xla_paged attention backend: a KV cache is required (encoder attention is not supported)")
-        if not isinstance(metadata, XlaAttentionMetadata):
-            raise TypeError(f"xla_paged attention backend got {type(metadata).__name__}, not XlaAttentionMetadata")
         spec = self.spec
         # Static-shape write: padding rows duplicate token 0's (slot, value) pair, so the
         # scatter has no conflicting duplicates and no data-dependent length.

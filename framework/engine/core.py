@@ -167,7 +167,7 @@ class EngineCore:
                                  timeout_s: float | None = None) -> dict:
         """Join a trainer's process group: the trainer is rank 0, this engine's rank r is
         `rank_offset + r`. Blocks until every member has joined."""
-        from portaserve.framework.executor.weight_update import DEFAULT_GROUP_TIMEOUT_S
+        from portaserve.framework.interfaces.communicator import DEFAULT_GROUP_TIMEOUT_S
 
         tp = self.spec.config.tensor_parallel_size
         if not isinstance(master_port, int) or not 1 <= master_port <= 65535:

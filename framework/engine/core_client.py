@@ -17,7 +17,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from portaserve.framework.config import EngineConfig
@@ -45,8 +45,13 @@ from .core_messages import (
     rebuild_error,
     result_value,
 )
+from .scheduler import SchedulerStats
+from .scheduler_output import EngineCoreOutput
 
 logger = logging.getLogger("portaserve")
+
+#: Called once per engine step with the step's scheduler stats and its outputs.
+StatsListener = Callable[[SchedulerStats, list[EngineCoreOutput]], None]
 
 
 class AsyncLLM:
@@ -70,7 +75,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task | None = None
         self._ready_event: asyncio.Event | None = None
-        self._stats_listeners: list = []
+        self._stats_listeners: list[StatsListener] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="portaserve-ipc-")
         self._in_addr = f"ipc://{os.path.join(self._ipc_dir, 'in')}"
         self._out_addr = f"ipc://{os.path.join(self._ipc_dir, 'out')}"
@@ -131,6 +136,11 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self.ready and self.dead_reason is None
+
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        """Call `listener(stats, outputs)` after every engine step (on the event loop; it
+        must not block). The server's metrics are one."""
+        self._stats_listeners.append(listener)
 
     async def shutdown(self) -> None:
         self._shutting_down = True

@@ -40,7 +40,7 @@ interface: a stop token id (EOS or `stop_token_ids`) ends the request and, unles
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from portaserve.framework.errors import invalid
@@ -106,9 +106,6 @@ class IncrementalDetokenizer:
             self._prefix_text = text
         self._read = len(ids)
         return delta
-
-    def add_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
 
     def flush(self) -> str:
         """The held-back tail (an incomplete character decodes to U+FFFD); call once at the end."""
@@ -219,10 +216,6 @@ class RequestDetokenizer:
     def output_text(self) -> str:
         """All text so far (including what streaming still holds back), truncated at a stop string."""
         return self._stops.text
-
-    @property
-    def stop_string(self) -> str | None:
-        return self._stops.matched
 
     def num_output_tokens(self) -> int:
         return len(self.token_ids)

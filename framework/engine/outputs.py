@@ -30,14 +30,6 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
 
 @dataclass(slots=True)
 class CompletionOutput:

@@ -279,7 +279,10 @@ class Scheduler:
         for request in self._take(req_ids, RequestStatus.FINISHED_ABORTED):
             self._pending_outputs.append(
                 EngineCoreOutput(
-                    request.request_id, (), finish_reason=request.finish_reason, num_cached_tokens=request.num_cached_tokens
+                    req_id=request.request_id,
+                    new_token_ids=(),
+                    finish_reason=request.finish_reason,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
 
@@ -558,7 +561,11 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 outputs.append(
                     EngineCoreOutput(
-                        rid, (), finish_reason=request.finish_reason, num_cached_tokens=request.num_cached_tokens, pooler_output=tuple(embedding)
+                        req_id=rid,
+                        new_token_ids=(),
+                        finish_reason=request.finish_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                        pooler_output=tuple(embedding),
                     )
                 )
                 self._release(request)
@@ -568,27 +575,28 @@ class Scheduler:
             if token is None and rid in errors:
                 # this request alone failed; the rest of the batch goes on
                 request.status = RequestStatus.FINISHED_ERROR
-                outputs.append(EngineCoreOutput(rid, (), finish_reason=request.finish_reason,
+                outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=(), finish_reason=request.finish_reason,
                                                 num_cached_tokens=request.num_cached_tokens, error=errors[rid]))
                 self._release(request)
                 any_finished = True
                 continue
             if token is None:
                 if plp is not None:
-                    outputs.append(EngineCoreOutput(rid, (), prompt_logprobs=plp, num_cached_tokens=request.num_cached_tokens))
+                    outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=(), prompt_logprobs=plp,
+                                                    num_cached_tokens=request.num_cached_tokens))
                 continue
             request.output_token_ids.append(token)
             finished = check_stop(request, token)
             lp = logprobs.get(rid) if logprobs else None
             outputs.append(
                 EngineCoreOutput(
-                    rid,
-                    (token,),
-                    (lp,) if lp is not None else (),
-                    plp,
-                    request.finish_reason if finished else None,
-                    request.stop_reason,
-                    request.num_cached_tokens,
+                    req_id=rid,
+                    new_token_ids=(token,),
+                    new_logprobs=(lp,) if lp is not None else (),
+                    prompt_logprobs=plp,
+                    finish_reason=request.finish_reason if finished else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
             if finished:

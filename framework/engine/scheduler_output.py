@@ -69,24 +69,26 @@ class Logprobs:
     top_logprobs: tuple[float, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelRunnerOutput:
-    """What one step produced, keyed by request id."""
+    """What one step produced, keyed by request id (keyword arguments only; each field
+    defaults to empty)."""
 
     # req_id -> sampled token id, for requests that reached the end of their known tokens
-    sampled_token_ids: Mapping[str, int]
-    logprobs: Mapping[str, Logprobs]
+    sampled_token_ids: Mapping[str, int] = field(default_factory=dict)
+    logprobs: Mapping[str, Logprobs] = field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step (position i predicts token i+1)
-    prompt_logprobs: Mapping[str, tuple[Logprobs, ...]]
+    prompt_logprobs: Mapping[str, tuple[Logprobs, ...]] = field(default_factory=dict)
     # req_id -> embedding, for pooling requests whose prompt finished this step
-    pooler_output: Mapping[str, tuple[float, ...]]
+    pooler_output: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # req_id -> why this request alone failed this step (it gets no token and ends with "error")
     errors: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineCoreOutput:
-    """What the engine core reports for one request after a step (token deltas)."""
+    """What the engine core reports for one request after a step (token deltas); built
+    with keywords only (nine fields, most of them optional)."""
 
     req_id: str
     new_token_ids: tuple[int, ...]

@@ -121,7 +121,3 @@ def default_num_batched_tokens(spec: EngineSpec) -> int:
         # encoders attend bidirectionally: a prompt is never split across steps
         return max(spec.max_model_len, 2048)
     return 2048 if spec.config.enable_chunked_prefill else max(spec.max_model_len, 2048)
-
-
-def model_dir(spec: EngineSpec) -> Path:
-    return Path(spec.model_path)

@@ -1,12 +1,14 @@
 """Executors: how the engine core reaches its workers.
 
 `UniProcExecutor` runs one rank in the engine's own process. Multi-rank executors
-(worker processes, Ray actors) implement the same methods.
+(worker processes, Ray actors) derive from `MultiRankExecutor` and say only how one
+method reaches every rank (`_call_all`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
@@ -67,6 +69,28 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+class MultiRankExecutor(Executor):
+    """Every rank in its own process (or actor), driven by one remote call per method."""
+
+    @abstractmethod
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Run Worker `method` on every rank; the per-rank results, rank 0 first
+        (EngineDeadError when a rank is gone)."""
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call_all("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all("execute_model", sched)[0]
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run a Worker method on every rank (weight updates, sleep / wake)."""
+        return self._call_all(method, *args)
 
 
 def make_executor(spec: EngineSpec) -> Executor:

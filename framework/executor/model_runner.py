@@ -1,28 +1,28 @@
 """The model runner: SchedulerOutput in, sampled tokens out, on one rank.
 
 It keeps its own record of each running request (token ids, block table, sampling
-row), turns a step's SchedulerOutput into flat input tensors and one AttentionBatch,
-lets every attention backend build its metadata once, runs the model, and samples the
-rows that reached the end of their known tokens. Nothing here knows the device kind:
-the platform, backends and allocator come from the ExecutionPlan.
+row). A step runs in three parts: `_prepare_inputs` turns the SchedulerOutput into flat
+input tensors and one AttentionBatch (input_batch.py) and lets every attention backend
+build its metadata once; `_run_model` runs the forward; `_sample` (or `_pool`, for an
+encoder) handles the rows that reached the end of their known tokens. Nothing here knows
+the device kind: the platform, backends and allocator come from the ExecutionPlan.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from portaserve.framework.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.executor.compile import EagerForward, build_forward
+from portaserve.framework.executor.input_batch import ModelInputs, RequestState, build_inputs
 from portaserve.framework.executor.model_builder import build_model
 from portaserve.framework.executor.sampler import Sampler, compute_prompt_logprobs
 from portaserve.framework.executor.sampling_state import SamplingState
-from portaserve.framework.interfaces import AttentionBatch, Communicator, KVCacheAllocator, Platform
+from portaserve.framework.interfaces import Communicator, KVCacheAllocator, Platform
 from portaserve.framework.layer_context import LayerContext, StepContext
 from portaserve.framework.plugins import PluginRegistry, import_object
 
@@ -31,18 +31,6 @@ logger = logging.getLogger("portaserve")
 # Prompt logprobs need full-vocabulary logits for every prompt position; computing them
 # in slices bounds the transient [rows, vocab] float32 buffer.
 PROMPT_LOGPROBS_CHUNK = 256
-
-
-@dataclass(slots=True)
-class _RequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    prompt_logprobs: int | None = None
-    is_pooling: bool = False
-    prompt_logprobs_done: list[Logprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -77,7 +65,7 @@ class ModelRunner:
         self.forward: EagerForward | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.sampling = SamplingState()
         # the platform's features say which of the sampler's host fast paths pay off here
         self.sampler = Sampler(features=frozenset(self.plan.platform_features))
@@ -155,7 +143,7 @@ class ModelRunner:
                 self.sampling.remove_request(new.req_id)
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
             params = new.sampling_params
-            self.requests[new.req_id] = _RequestState(
+            self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=tokens,
                 num_prompt_tokens=len(new.prompt_token_ids),
@@ -183,105 +171,99 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: update the request records, prepare the inputs, run the model, then
+        pool or sample the requests that reached the end of their known tokens."""
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput({}, {}, {}, {})
-        req_ids = sched.req_ids()
-        bs = self.block_size
-        num_seqs = len(req_ids)
-        query_lens = np.empty(num_seqs, dtype=np.int64)
-        seq_lens = np.empty(num_seqs, dtype=np.int64)
-        token_chunks: list[list[int]] = []
-        position_chunks: list[np.ndarray] = []
-        slot_chunks: list[np.ndarray] = []
-        max_blocks = 1
-        states = [self.requests[r] for r in req_ids]
-        for i, (req_id, state) in enumerate(zip(req_ids, states)):
-            n = sched.num_scheduled_tokens[req_id]
-            start = state.num_computed_tokens
-            query_lens[i] = n
-            seq_lens[i] = start + n
-            token_chunks.append(state.token_ids[start : start + n])
-            pos = np.arange(start, start + n, dtype=np.int64)
-            position_chunks.append(pos)
-            if self.kv_caches:
-                blocks = np.asarray(state.block_ids, dtype=np.int64)
-                slot_chunks.append(blocks[pos // bs] * bs + pos % bs)
-            max_blocks = max(max_blocks, len(state.block_ids))
-
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, state in enumerate(states):
-            block_table[i, : len(state.block_ids)] = state.block_ids
-        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long)
-        positions = torch.from_numpy(np.concatenate(position_chunks))
-        slot_mapping = torch.from_numpy(np.concatenate(slot_chunks)) if slot_chunks else torch.zeros(num_tokens, dtype=torch.long)
-        batch = AttentionBatch(
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=slot_mapping,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-            num_actual_tokens=num_tokens,
-        )
-        forward = self.forward or EagerForward(self.model)
-        # a step the forward replays from a captured graph is padded to its static shape first
-        batch, input_ids, positions = forward.prepare(batch, input_ids, positions)
-        metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.backends.items()}
-        step = StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc)
-        hidden = forward(input_ids.to(self.device), positions.to(self.device), step)[:num_tokens]
-
-        for state, n in zip(states, query_lens):
-            state.num_computed_tokens += int(n)
-
-        pooler_output: dict[str, tuple[float, ...]] = {}
+            return ModelRunnerOutput()
+        inputs = self._prepare_inputs(sched)
+        hidden = self._run_model(inputs)
+        for state, n in zip(inputs.states, inputs.query_lens.tolist()):
+            state.num_computed_tokens += n
         if self.spec.is_pooling:
-            pooled = self.model.pool(hidden, step)  # [num_seqs, hidden]
-            for i, state in enumerate(states):
-                if state.num_computed_tokens >= len(state.token_ids):
-                    pooler_output[state.req_id] = tuple(pooled[i].float().cpu().tolist())
-            return ModelRunnerOutput({}, {}, {}, pooler_output)
+            return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
+        prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)
+        return self._sample(inputs, hidden, prompt_logprobs)
 
-        prompt_logprobs = self._prompt_logprobs(states, query_start_loc, hidden)
+    def _prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+        """The step's inputs on the device, padded as the forward replays them, with every
+        attention backend's metadata built once."""
+        req_ids = tuple(sched.req_ids())
+        states = tuple(self.requests[r] for r in req_ids)
+        host = build_inputs(
+            states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, with_kv_cache=bool(self.kv_caches)
+        )
+        # a step the forward replays from a captured graph is padded to its static shape first
+        batch, input_ids, positions = self._forward().prepare(host.batch, host.input_ids, host.positions)
+        metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.backends.items()}
+        return ModelInputs(
+            req_ids=req_ids,
+            states=states,
+            input_ids=input_ids.to(self.device),
+            positions=positions.to(self.device),
+            step=StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc),
+            query_start_loc=host.query_start_loc,
+            num_tokens=host.batch.num_actual_tokens,
+        )
 
+    def _forward(self) -> EagerForward:
+        return self.forward or EagerForward(self.model)
+
+    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        """The model's hidden states of the step's real tokens: [num_tokens, hidden]."""
+        return self._forward()(inputs.input_ids, inputs.positions, inputs.step)[: inputs.num_tokens]
+
+    def _pool(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, tuple[float, ...]]:
+        """Embeddings of the requests whose whole prompt has now been computed."""
+        pooled = self.model.pool(hidden, inputs.step)  # [num_seqs, hidden]
+        return {
+            state.req_id: tuple(pooled[i].float().cpu().tolist())
+            for i, state in enumerate(inputs.states)
+            if state.num_computed_tokens >= len(state.token_ids)
+        }
+
+    def _sample(
+        self, inputs: ModelInputs, hidden: torch.Tensor, prompt_logprobs: dict[str, tuple[Logprobs, ...]]
+    ) -> ModelRunnerOutput:
+        """Sample one token for each request that reached the end of its known tokens (a
+        prefill chunk short of the prompt's end samples nothing) and record it."""
+        states = inputs.states
         sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens >= len(s.token_ids)]
+        if not sample_rows:
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        # each request's last row predicts its next token
+        index = torch.as_tensor(inputs.query_start_loc[1:][sample_rows] - 1, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        sample_ids = [states[i].req_id for i in sample_rows]
+        out = self.sampler(logits, self.sampling.make_metadata(sample_ids, logits.device))
+        sampled_ids = out.sampled_token_ids
+        if self.tp_size > 1 and self.communicator is not None:
+            # Every rank must continue with the same tokens; rank 0's draw decides.
+            sampled_ids = self.communicator.broadcast(sampled_ids.to(self.device).contiguous(), src=0).cpu()
+        failed = dict(out.failed_rows)
+        want = {r: self.sampling.num_logprobs(r) for r in sample_ids}
         sampled: dict[str, int] = {}
         logprobs: dict[str, Logprobs] = {}
         errors: dict[str, str] = {}
-        if sample_rows:
-            index = torch.as_tensor(query_start_loc[1:][sample_rows] - 1, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
-            sample_ids = [states[i].req_id for i in sample_rows]
-            meta = self.sampling.make_metadata(sample_ids, logits.device)
-            out = self.sampler(logits, meta)
-            sampled_ids = out.sampled_token_ids
-            if self.tp_size > 1 and self.communicator is not None:
-                # Every rank must continue with the same tokens; rank 0's draw decides.
-                sampled_ids = self.communicator.broadcast(sampled_ids.to(self.device).contiguous(), src=0).cpu()
-            tokens = sampled_ids.tolist()
-            want = {r: self.sampling.num_logprobs(r) for r in sample_ids}
-            failed = dict(out.failed_rows)
-            for row, (req_id, token) in enumerate(zip(sample_ids, tokens)):
-                if row in failed:
-                    errors[req_id] = failed[row]
-                    continue
-                sampled[req_id] = token
-                self.requests[req_id].token_ids.append(token)
-                self.sampling.append_output(req_id, token)
-                k = want[req_id]
-                if k is not None and out.logprobs is not None:
-                    logprobs[req_id] = Logprobs(
-                        token_id=token,
-                        logprob=float(out.logprobs[row]),
-                        rank=int(out.ranks[row]),
-                        top_token_ids=tuple(out.top_token_ids[row, :k].tolist()),
-                        top_logprobs=tuple(out.top_logprobs[row, :k].tolist()),
-                    )
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooler_output, errors)
+        for row, (i, req_id, token) in enumerate(zip(sample_rows, sample_ids, sampled_ids.tolist())):
+            if row in failed:
+                errors[req_id] = failed[row]
+                continue
+            sampled[req_id] = token
+            states[i].token_ids.append(token)
+            self.sampling.append_output(req_id, token)
+            k = want[req_id]
+            if k is not None and out.logprobs is not None:
+                logprobs[req_id] = Logprobs(
+                    token_id=token,
+                    logprob=float(out.logprobs[row]),
+                    rank=int(out.ranks[row]),
+                    top_token_ids=tuple(out.top_token_ids[row, :k].tolist()),
+                    top_logprobs=tuple(out.top_logprobs[row, :k].tolist()),
+                )
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs, errors=errors
+        )
 
     def _prompt_logprobs(self, states, query_start_loc, hidden) -> dict[str, tuple[Logprobs, ...]]:
         """Logprobs of each prompt token given its prefix, for requests that asked for them.

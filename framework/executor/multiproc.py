@@ -18,12 +18,11 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.errors import EngineDeadError
 from portaserve.framework.wire import WireError
 
-from .executor import Executor
+from .executor import MultiRankExecutor
 from .worker_messages import call_bytes, error_bytes, read_call, read_reply, recv, reply_bytes
 
 logger = logging.getLogger("portaserve")
@@ -72,7 +71,7 @@ def _worker_main(spec: EngineSpec, rank: int, world_size: int, local_rank: int, 
             conn.send_bytes(error_bytes(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiRankExecutor):
     """Tensor parallelism over `tensor_parallel_size` local worker processes."""
 
     def __init__(self, spec: EngineSpec, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
@@ -186,19 +185,6 @@ class MultiprocExecutor(Executor):
                 proc = self.procs[r]
                 self._fail(r, f"worker is gone (exit code {proc.exitcode if proc is not None else 'unknown, remote'})")
         return self._collect(method)
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute_model", sched)[0]
-
-    def call_workers(self, method: str, *args: Any) -> list[Any]:
-        """Run a Worker method on every rank (weight updates, sleep / wake)."""
-        return self._call_all(method, *args)
 
     def check_health(self) -> None:
         for r, proc in enumerate(self.procs):

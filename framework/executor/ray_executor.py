@@ -19,13 +19,12 @@ import logging
 import socket
 from typing import Any
 
-from portaserve.framework.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.errors import EngineDeadError, UnsupportedError
 from portaserve.framework.interfaces import Platform
 from portaserve.framework.plugins import get_registry
 
-from .executor import Executor
+from .executor import MultiRankExecutor
 
 logger = logging.getLogger("portaserve")
 
@@ -82,7 +81,7 @@ class RayWorkerWrapper:
         return os.getpid()
 
 
-class RayExecutor(Executor):
+class RayExecutor(MultiRankExecutor):
     """Tensor parallelism over Ray actors, one per rank, placed by a placement group."""
 
     def __init__(self, spec: EngineSpec) -> None:
@@ -168,18 +167,6 @@ class RayExecutor(Executor):
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         return self._gather([a.call.remote(method, *args) for a in self.actors])
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute_model", sched)[0]
-
-    def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return self._call_all(method, *args)
 
     def check_health(self) -> None:
         if self._dead is not None:

@@ -18,17 +18,13 @@ broadcast by a trainer over a collective. It goes through three phases:
 
 Staging holds a second copy of the parameters an update changes until it commits.
 
-A trainer joins the engine's ranks in a separate process group, which the platform's
-communicator builds (`Communicator.weight_update_group`: the trainer is rank 0, engine
-rank r is `rank_offset + r`) outside the engine's own tensor-parallel group. Each update
-starts with a verdict all-reduce, so a rejected update never leaves the trainer blocked
-in a broadcast nobody receives; see `TrainerWeightSender`.
+A trainer's tensors arrive over a collective group: `weight_transfer` holds both ends
+of that exchange (`receive_weights` here, `TrainerWeightSender` on the trainer).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -38,12 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from portaserve.framework.distributed import StandaloneGroupCommunicator
 from portaserve.framework.errors import InvalidParameterError, invalid
-from portaserve.framework.interfaces import Communicator
-from portaserve.framework.interfaces.communicator import DEFAULT_GROUP_TIMEOUT_S
-
-logger = logging.getLogger("portaserve")
 
 # safetensors header dtype codes -> torch dtypes
 _SAFETENSORS_DTYPES = {
@@ -333,61 +324,3 @@ def stage_safely(stager: WeightStager, weights: Iterable[tuple[str, torch.Tensor
     except Exception as exc:  # a corrupt file, a failed collective: still not the engine's death
         stager.discard()
         return StageResult(False, error_param="weights", error=f"{type(exc).__name__}: {exc}")
-
-
-# ----- the trainer <-> engine group -----------------------------------------------------
-
-
-def exchange_verdict(comm: Communicator, rejected: bool) -> bool:
-    """Every member says whether it rejects this update; True when nobody does."""
-    flag = torch.tensor([1 if rejected else 0], dtype=torch.int32, device=comm.device)
-    comm.all_reduce(flag, op="max")
-    return int(flag.item()) == 0
-
-
-def receive_weights(
-    comm: Communicator, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device, src: int = 0
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive each announced tensor from `src`, in order, one at a time."""
-    for name, dtype, shape in specs:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-        comm.broadcast(buffer, src=src)
-        yield name, buffer
-
-
-class TrainerWeightSender:
-    """The trainer's side of `update_weights_from_distributed` (rank 0 of the group).
-
-    `backend` must be the one the engine's platform builds its weight-update group with
-    (`Communicator.weight_update_group`: gloo unless the communicator says otherwise;
-    nccl on CUDA and ROCm), `device` one that backend moves tensors of.
-
-    >>> sender = TrainerWeightSender("127.0.0.1", 29600, world_size=1 + tp_size)
-    >>> # concurrently: engine.init_weight_update_group("127.0.0.1", 29600, 1, 1 + tp_size)
-    >>> sender.send(model.named_parameters())   # while the engine runs
-    >>> # engine.update_weights_from_distributed(names, dtypes, shapes)
-    """
-
-    def __init__(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        backend: str = "gloo",
-        device: torch.device | str = "cpu",
-        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-    ) -> None:
-        self.device = torch.device(device)
-        self.comm = StandaloneGroupCommunicator(0, world_size, self.device, master_address, master_port, backend, timeout_s)
-
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bool:
-        """Broadcast the tensors (in the order the engine was told); False when the engine
-        rejected the update, in which case nothing was sent."""
-        if not exchange_verdict(self.comm, rejected=False):
-            return False
-        for _, tensor in named_tensors:
-            self.comm.broadcast(tensor.detach().to(self.device).contiguous(), src=0)
-        return True
-
-    def close(self) -> None:
-        self.comm.destroy()

@@ -135,7 +135,8 @@ class Worker:
         """Take part in one trainer broadcast: the verdict, then (if nobody rejected) every
         announced tensor into staged copies (StageResult). A rank that fails while staging
         still receives the remaining tensors, so the trainer never blocks."""
-        from .weight_update import StageResult, exchange_verdict, receive_weights, stage_safely
+        from .weight_transfer import exchange_verdict, receive_weights
+        from .weight_update import StageResult, stage_safely
 
         comm = getattr(self, "_update_comm", None)
         if comm is None:

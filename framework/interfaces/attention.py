@@ -2,7 +2,8 @@
 
 The model runner describes each step once, as an `AttentionBatch` of host tensors; the
 backend turns it into its own metadata (`build_metadata`, once per step, shared by every
-layer) and then runs `forward` once per layer. A backend instance serves one layer
+layer) and then runs `forward` once per layer: the public `forward` checks the inputs
+and calls the `_forward` an implementation defines. A backend instance serves one layer
 type (`AttentionSpec`): a model with sliding-window and full layers has two.
 
 Token order in every tensor: the tokens of sequence 0, then sequence 1, ...; each
@@ -101,8 +102,13 @@ class AttentionBackend(ABC):
     #: when it moves blocks (offload, sleep); the conformance kit checks any layout
     #: through it.
     kv_cache_block_dim: ClassVar[int] = 0
+    #: The metadata class `build_metadata` returns; `forward` rejects any other (contract 1.1).
+    metadata_type: ClassVar[type[AttentionMetadata]] = AttentionMetadata
 
     def __init__(self, spec: AttentionSpec, block_size: int, device: torch.device) -> None:
+        cls = type(self)
+        if cls._forward is AttentionBackend._forward and cls.forward is AttentionBackend.forward:
+            raise TypeError(f"{cls.__name__} defines no _forward (nor, as contract 1.0 backends do, forward)")
         reason = self.unsupported_reason(spec, block_size)
         if reason is not None:
             raise ValueError(f"{self.name} attention backend: {reason}")
@@ -164,7 +170,6 @@ class AttentionBackend(ABC):
     def build_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         """Turn the step's host description into device-side metadata (once per step)."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -173,14 +178,59 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Write the new K/V into their cache slots, then attend.
+        """Write the new K/V into their cache slots, then attend: checks the inputs against
+        the spec, then calls `_forward`. The checks read shapes, dtypes and types only (no
+        device sync), a few microseconds per layer.
+
+        A contract 1.0 backend overrides `forward` itself (before 1.1 it was the abstract
+        method) and keeps working: this wrapper then never runs.
 
         :param q: [num_tokens, num_heads, head_size]
         :param k: [num_tokens, num_kv_heads, head_size] (new tokens only)
         :param v: [num_tokens, num_kv_heads, head_size]
         :param kv_cache: this layer's cache tensor of `kv_cache_shape`, or None for encoders.
+        :param metadata: what `build_metadata` built for this step (a `metadata_type`).
         :returns: [num_tokens, num_heads, head_size]; rows past num_actual_tokens are unspecified.
+        :raises ValueError: shapes or dtypes unlike the spec's, or no cache for a causal layer.
+        :raises TypeError: metadata that is not a `metadata_type`.
         """
+        spec = self.spec
+        qs, ks = q.shape, k.shape
+        if (
+            len(qs) != 3
+            or qs[1] != spec.num_heads
+            or qs[2] != spec.head_size
+            or ks != v.shape
+            or len(ks) != 3
+            or ks[0] != qs[0]
+            or ks[1] != spec.num_kv_heads
+            or ks[2] != spec.head_size
+        ):
+            raise ValueError(
+                f"{self.name} attention backend: q {list(qs)}, k {list(ks)}, v {list(v.shape)}; expected "
+                f"q [num_tokens, {spec.num_heads}, {spec.head_size}], k and v [num_tokens, {spec.num_kv_heads}, "
+                f"{spec.head_size}]"
+            )
+        if not q.dtype == k.dtype == v.dtype == spec.dtype:
+            raise ValueError(f"{self.name} attention backend: q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}, expected {spec.dtype}")
+        if kv_cache is None and spec.uses_kv_cache:
+            raise ValueError(f"{self.name} attention backend: a KV cache is required (None only for encoder layers)")
+        if not isinstance(metadata, self.metadata_type):
+            raise TypeError(f"{self.name} attention backend got {type(metadata).__name__}, not {self.metadata_type.__name__}")
+        return self._forward(q, k, v, kv_cache, metadata)
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention itself, with inputs `forward` checked (shapes and dtypes as the
+        spec says, a cache for causal layers, a `metadata_type`); what a backend defines.
+        Writes the real tokens' K/V (`metadata.num_actual_tokens`) into their slots first."""
+        raise NotImplementedError(f"{type(self).__name__} defines no _forward")
 
 
 def _names(dtypes) -> list[str]:

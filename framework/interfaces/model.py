@@ -126,9 +126,29 @@ class ModelArchitecture(nn.Module, ABC):
         """Longest sequence the checkpoint supports."""
         return int(hf_config.get("max_position_embeddings", 2048))
 
-    # The engine calls these two; subclasses define them (nn.Module.forward style):
-    #
-    #   forward(input_ids: [num_tokens] int64, positions: [num_tokens] int64,
-    #           step: StepContext) -> hidden: [num_tokens, hidden_size]
-    #   compute_logits(hidden: [num_selected, hidden_size]) -> [num_selected, vocab_size]  (decoders)
-    #   pool(hidden, step) -> [num_seqs, hidden_size]                                   (encoders)
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: ModelStepContext) -> torch.Tensor:
+        """Run the model over one step's tokens (the engine calls it as `model(...)`).
+
+        :param input_ids: [num_tokens] int64, the tokens of sequence 0, then sequence 1, ...
+        :param positions: [num_tokens] int64, each token's position in its sequence
+        :param step: the step's attention metadata and KV caches (`ModelStepContext`)
+        :returns: hidden: [num_tokens, hidden_size]
+        """
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of the rows the sampler needs (decoders; an encoder has none).
+
+        :param hidden: [num_selected, hidden_size], rows of `forward`'s output
+        :returns: [num_selected, vocab_size]
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no compute_logits (encoders have no logits)")
+
+    def pool(self, hidden: torch.Tensor, step: ModelStepContext) -> torch.Tensor:
+        """One embedding per sequence (encoders, `is_pooling = True`; a decoder has none).
+
+        :param hidden: [num_tokens, hidden_size], `forward`'s output
+        :param step: the same step (`query_start_loc` bounds each sequence's tokens)
+        :returns: [num_seqs, hidden_size]
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no pool (decoders produce no embeddings)")

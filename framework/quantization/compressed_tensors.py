@@ -31,7 +31,7 @@ from torch import nn
 
 from portaserve.framework.errors import UnsupportedError
 from portaserve.framework.interfaces import QuantMethod
-from portaserve.framework.unquantized import UnquantizedMethod
+from portaserve.framework.quantization.unquantized import UnquantizedMethod
 
 from .fp8 import Fp8Method
 from .int8 import Int8WeightOnlyMethod

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -41,6 +41,10 @@ from portaserve.framework.server.serving_tokens import TokenService
 from portaserve.framework.server.state import ServerSettings, ServerState
 from portaserve.framework.server import weights_routes
 from portaserve.framework.server.openapi import honest_openapi
+
+if TYPE_CHECKING:
+    from portaserve.framework.engine.core_client import AsyncLLM
+    from portaserve.framework.engine.startup import EngineSpec
 
 logger = logging.getLogger("portaserve.server")
 
@@ -139,13 +143,13 @@ def _with_header(send, name: bytes, value: bytes):
 def create_app(
     settings: ServerSettings | None = None,
     *,
-    engine: Any | None = None,
-    engine_factory: Callable[[], Awaitable[Any]] | None = None,
-    spec: Any | None = None,
+    engine: AsyncLLM | None = None,
+    engine_factory: Callable[[], Awaitable[AsyncLLM]] | None = None,
+    spec: EngineSpec | None = None,
 ) -> FastAPI:
     """The server for one engine (see the module docstring)."""
     settings = settings or ServerSettings()
-    state = ServerState(settings, spec if spec is not None else getattr(engine, "spec", None))
+    state = ServerState(settings, spec if spec is not None or engine is None else engine.spec)
     if engine is not None:
         state.attach(engine)
 
@@ -185,13 +189,13 @@ def create_app(
     @app.get("/v1/models")
     async def models():
         spec = state.spec
-        demo = bool(getattr(spec, "is_demo", False))
+        demo = spec is not None and spec.is_demo
         cards = [
             ModelCard(
                 id=name,
-                root=getattr(spec, "model_path", None),
-                max_model_len=getattr(spec, "max_model_len", None),
-                weights_version=int(getattr(state.engine, "weights_version", 0) or 0),
+                root=spec.model_path if spec is not None else None,
+                max_model_len=spec.max_model_len if spec is not None else None,
+                weights_version=state.engine.weights_version if state.engine is not None else 0,
                 demo=demo,
                 description="portaserve's demo checkpoint: RANDOM WEIGHTS, the output is gibberish" if demo else None,
             )
@@ -204,7 +208,7 @@ def create_app(
         if state.metrics is None:
             return PlainTextResponse("", media_type="text/plain; version=0.0.4")
         engine = state.engine
-        if engine is not None and getattr(engine, "is_healthy", False) and hasattr(engine, "call"):
+        if engine is not None and engine.is_healthy:
             with contextlib.suppress(Exception):  # a fresh snapshot; the last step's otherwise
                 state.metrics.update_stats(await engine.call("stats", timeout=2.0))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -243,8 +247,8 @@ def create_app(
         # once: the pydantic-derived schema plus this server's limits and model names
         if app.openapi_schema is None:
             spec = state.spec
-            honest_openapi(plain_openapi(), settings.limits, state.model_names, getattr(spec, "max_model_len", None),
-                           getattr(spec, "vocab_size", None) or None)
+            honest_openapi(plain_openapi(), settings.limits, state.model_names, spec.max_model_len if spec else None,
+                           (spec.vocab_size or None) if spec else None)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -259,7 +263,7 @@ def create_app(
     return app
 
 
-async def _load(state: ServerState, factory: Callable[[], Awaitable[Any]]) -> None:
+async def _load(state: ServerState, factory: Callable[[], Awaitable[AsyncLLM]]) -> None:
     t0 = time.monotonic()
     try:
         engine = await factory()

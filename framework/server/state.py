@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from portaserve.framework.errors import invalid
 from portaserve.framework.server.errors import APIError, first_line
 from portaserve.framework.server.limits import RequestLimits
 from portaserve.framework.server.metrics import ServerMetrics
 from portaserve.framework.server.tracing import Tracer
+
+if TYPE_CHECKING:  # the engine client pulls in the engine; routes only need its type
+    from portaserve.framework.engine.core_client import AsyncLLM
+    from portaserve.framework.engine.startup import EngineSpec
 
 logger = logging.getLogger("portaserve.server")
 
@@ -63,12 +67,12 @@ class ServerSettings:
 class ServerState:
     """Shared by every route: the engine (None while it loads), metrics, parser classes."""
 
-    def __init__(self, settings: ServerSettings, spec: Any | None = None) -> None:
+    def __init__(self, settings: ServerSettings, spec: EngineSpec | None = None) -> None:
         from portaserve.framework.server.parsers import get_reasoning_parser, get_tool_parser
 
         settings.check()
         self.settings = settings
-        self.engine: Any | None = None
+        self.engine: AsyncLLM | None = None
         self.load_error: str | None = None
         self.spec = spec
         self.metrics: ServerMetrics | None = None
@@ -79,14 +83,14 @@ class ServerState:
         if spec is not None:
             self._make_metrics(spec)
 
-    def _make_metrics(self, spec: Any) -> None:
+    def _make_metrics(self, spec: EngineSpec) -> None:
         if self.metrics is None:
-            self.metrics = ServerMetrics(self.model_names_for(spec)[0], getattr(spec, "plan", None))
+            self.metrics = ServerMetrics(self.model_names_for(spec)[0], spec.plan)
 
-    def model_names_for(self, spec: Any | None) -> list[str]:
+    def model_names_for(self, spec: EngineSpec | None) -> list[str]:
         if self.settings.served_model_names:
             return list(self.settings.served_model_names)
-        name = getattr(spec, "served_model_name", None) if spec is not None else None
+        name = spec.served_model_name if spec is not None else None
         return [name or "portaserve"]
 
     @property
@@ -111,13 +115,12 @@ class ServerState:
             bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, **kwargs,
         )
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: AsyncLLM) -> None:
         """The engine has started: routes may use it from now on."""
-        self.spec = getattr(engine, "spec", self.spec)
+        self.spec = engine.spec
         self._make_metrics(self.spec)
-        listeners = getattr(engine, "_stats_listeners", None)
-        if listeners is not None and self.metrics is not None:
-            listeners.append(self.metrics.on_step)
+        if self.metrics is not None:
+            engine.add_stats_listener(self.metrics.on_step)
         self.engine = engine
 
     # ----- checks every route makes ------------------------------------------------------------
@@ -129,14 +132,13 @@ class ServerState:
         engine = self.engine
         if engine is None:
             return 503, "the engine is loading"
-        dead = getattr(engine, "dead_reason", None)
-        if dead is not None:
-            return 500, f"the engine is dead: {first_line(dead)}"
-        if not getattr(engine, "is_healthy", True):
+        if engine.dead_reason is not None:
+            return 500, f"the engine is dead: {first_line(engine.dead_reason)}"
+        if not engine.is_healthy:
             return 503, "the engine is not ready"
         return 200, "ok"
 
-    def require_engine(self) -> Any:
+    def require_engine(self) -> AsyncLLM:
         status, reason = self.health()
         if status != 200:
             raise APIError(status, reason)

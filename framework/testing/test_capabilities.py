@@ -4,16 +4,18 @@ resolve in the registry for this platform."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
 
-from portaserve.framework.config import EngineConfig
+from portaserve.framework.config import CompilationMode, EngineConfig, KVCacheDtype
 from portaserve.framework.errors import InvalidParameterError
 from portaserve.framework.interfaces import AttentionBackend, Communicator, KVCacheAllocator, PlatformCapabilities
 from portaserve.framework.plan import DTYPES, resolve_platform_choices
 
-KV_CACHE_DTYPES = frozenset({"auto", "fp8"})
-COMPILATION_MODES = frozenset({"default", "max"})
+KV_CACHE_DTYPES = frozenset(get_args(KVCacheDtype))
+COMPILATION_MODES = frozenset(get_args(CompilationMode)) - {"none"}
 
 
 @pytest.fixture(scope="module")

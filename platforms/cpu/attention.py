@@ -135,6 +135,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     """
 
     name = "cpu_paged"
+    metadata_type = CpuPagedAttentionMetadata
     platforms = frozenset({"cpu"})
     supported_dtypes = frozenset({torch.float32, torch.bfloat16, torch.float16})
     supported_kv_cache_dtypes = frozenset({"auto"})
@@ -339,7 +340,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     # ----- forward ---------------------------------------------------------------------
 
-    def forward(
+    def _forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -348,13 +349,11 @@ class CpuPagedAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write the new K/V into their cache slots, then attend (see the class docstring)."""
-        md: CpuPagedAttentionMetadata = metadata  # type: ignore[assignment]
+        md: CpuPagedAttentionMetadata = metadata  # type: ignore[assignment]  (forward checked it)
         # out: [num_tokens, num_heads, head_size], contiguous (the C kernel writes it by offset)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         table = None
         if self.spec.causal:
-            if kv_cache is None:
-                raise ValueError(f"{self.name}: a causal attention layer needs its kv_cache tensor")
             n, d = md.num_actual_tokens, self.head_size
             # table: [num_blocks * 2 * num_kv_heads * block_size, head_size]
             table = kv_cache.view(-1, d)

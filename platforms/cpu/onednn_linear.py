@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from portaserve.framework.unquantized import UnquantizedMethod
+from portaserve.framework.quantization.unquantized import UnquantizedMethod
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:

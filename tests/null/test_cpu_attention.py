@@ -49,13 +49,13 @@ def test_many_decode_groups(case):
 class _StridedInputs(CpuPagedAttentionBackend):
     """Same backend fed q/k/v as views of one fused qkv tensor, as a fused projection yields them."""
 
-    def forward(self, q, k, v, kv_cache, metadata):
+    def _forward(self, q, k, v, kv_cache, metadata):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
         q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=1)
         q, k, v = q.view(-1, h, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         assert not q.is_contiguous()
-        return super().forward(q, k, v, kv_cache, metadata)
+        return super()._forward(q, k, v, kv_cache, metadata)
 
 
 STRIDED_CASES = [c for c in default_cases(CpuPagedAttentionBackend, torch.bfloat16) if "d128" not in c.name and "h4kv1" not in c.name]

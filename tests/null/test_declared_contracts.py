@@ -1,18 +1,31 @@
 """What used to be vendor tests inside the framework, now declared by platforms: the Ray
 resource, the compute units kernels size grids by, graph capture, and the weight-update
 group a communicator builds. A platform written against 1.0 (none of these declared)
-gets defaults that keep it working."""
+gets defaults that keep it working. Also the checking `AttentionBackend.forward` (1.1),
+which a 1.0 backend overriding `forward` bypasses."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import time
+from dataclasses import dataclass
 
+import pytest
 import torch
 
 from portaserve.framework import device_properties
 from portaserve.framework.distributed import StandaloneGroupCommunicator
 from portaserve.framework.executor.ray_executor import bundle_for
-from portaserve.framework.interfaces import Communicator, DeviceInfo, Platform, PlatformCapabilities
+from portaserve.framework.interfaces import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    Communicator,
+    DeviceInfo,
+    Platform,
+    PlatformCapabilities,
+)
 
 
 class OldPlatform(Platform):
@@ -109,3 +122,98 @@ def test_the_default_weight_update_group_is_a_standalone_gloo_group():
         assert comm.all_reduce(torch.ones(2), op="max").tolist() == [1.0, 1.0]
         comm.destroy()
         assert comm.group is None
+
+
+# ----- AttentionBackend.forward: a checking wrapper around _forward (1.1) ----------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Metadata(AttentionMetadata):
+    pass
+
+
+class _Attention(AttentionBackend):
+    """A 1.1 backend: defines `_forward`; attention is a copy of v (enough to see the call)."""
+
+    name = "copy_v"
+    platforms = None
+    supported_dtypes = frozenset({torch.float32})
+    supported_block_sizes = frozenset({16})
+    supports_encoder = True
+    metadata_type = _Metadata
+
+    def kv_cache_shape(self, num_blocks):
+        return (num_blocks, 2, 16, self.spec.num_kv_heads, self.spec.head_size)
+
+    def build_metadata(self, batch):
+        return _Metadata(batch.num_actual_tokens)
+
+    def _forward(self, q, k, v, kv_cache, metadata):
+        return v.repeat_interleave(self.spec.gqa_ratio, dim=1)
+
+
+class _OldAttention(_Attention):
+    """A 1.0 backend: overrides `forward` itself (no checks run) and accepts any metadata."""
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        return q * 2
+
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, scale=0.35, dtype=torch.float32)
+
+
+def _qkv(n=3, heads=4, kv_heads=2, d=8, dtype=torch.float32):
+    return torch.ones(n, heads, d, dtype=dtype), torch.ones(n, kv_heads, d, dtype=dtype), torch.ones(n, kv_heads, d, dtype=dtype)
+
+
+def test_attention_forward_checks_its_inputs_then_calls_forward_():
+    backend = _Attention(SPEC, 16, torch.device("cpu"))
+    cache = torch.zeros(backend.kv_cache_shape(2))
+    assert backend.forward(*_qkv(), cache, _Metadata(3)).shape == (3, 4, 8)
+    for bad, match in (
+        (_qkv(heads=2), "expected q"),
+        (_qkv(kv_heads=4), "expected q"),
+        (_qkv(d=4), "expected q"),
+        ((*_qkv()[:2], torch.ones(2, 2, 8)), "expected q"),  # v has fewer tokens than q
+        (_qkv(dtype=torch.float64), "dtypes"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            backend.forward(*bad, cache, _Metadata(3))
+    with pytest.raises(ValueError, match="KV cache is required"):
+        backend.forward(*_qkv(), None, _Metadata(3))
+    with pytest.raises(TypeError, match="not _Metadata"):
+        backend.forward(*_qkv(), cache, AttentionMetadata(3))
+    # an encoder layer has no cache
+    encoder = _Attention(dataclasses.replace(SPEC, causal=False), 16, torch.device("cpu"))
+    assert encoder.forward(*_qkv(), None, _Metadata(3)).shape == (3, 4, 8)
+
+
+def test_a_10_attention_backend_overriding_forward_keeps_working():
+    backend = _OldAttention(SPEC, 16, torch.device("cpu"))
+    q, k, v = _qkv()
+    assert torch.equal(backend.forward(q, k, v, None, AttentionMetadata(3)), q * 2)  # unchecked, as in 1.0
+
+
+def test_an_attention_backend_must_define_forward_():
+    class NoForward(_Attention):
+        _forward = AttentionBackend._forward
+
+    with pytest.raises(TypeError, match="defines no _forward"):
+        NoForward(SPEC, 16, torch.device("cpu"))
+
+
+def test_the_attention_check_costs_microseconds():
+    # the check runs once per layer and step: attribute reads only, no device sync
+    backend = _Attention(SPEC, 16, torch.device("cpu"))
+    q, k, v = _qkv()
+    cache, md = torch.zeros(backend.kv_cache_shape(2)), _Metadata(3)
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        backend.forward(q, k, v, cache, md)
+    checked = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(n):
+        backend._forward(q, k, v, cache, md)
+    bare = time.perf_counter() - start
+    assert (checked - bare) / n < 50e-6, f"{(checked - bare) / n * 1e6:.1f} us per call"

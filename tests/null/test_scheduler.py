@@ -137,7 +137,7 @@ class FakeRunner:
                     t = self.choose(rid, s) if self.choose else next_token(self._prefix_hash(s, end - 1))
                     s.tokens.append(t)
                     sampled[rid] = t
-        return ModelRunnerOutput(sampled, {}, prompt_lps, pooled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps, pooler_output=pooled)
 
 
 @dataclass

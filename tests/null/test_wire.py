@@ -47,13 +47,15 @@ def test_the_engines_objects_round_trip():
     )
     back = decode(encode(step), SchedulerOutput)
     assert back == step and back.new_requests[0].sampling_params.all_stop_token_ids == {7}
-    out = ModelRunnerOutput({"a": 5}, {"a": Logprobs(5, -0.1, 1, (5,), (-0.1,))}, {}, {}, {"b": "boom"})
+    out = ModelRunnerOutput(
+        sampled_token_ids={"a": 5}, logprobs={"a": Logprobs(5, -0.1, 1, (5,), (-0.1,))}, errors={"b": "boom"}
+    )
     assert decode(encode(out), ModelRunnerOutput) == out
     request = Request("r-1", [1, 2, 3], sampling_params=sp, eos_token_ids=frozenset({0}), max_tokens=5)
     again = decode(encode(request), Request)
     assert again.prompt_token_ids == [1, 2, 3] and again.eos_token_ids == frozenset({0})
     assert again.sampling_params == sp
-    core = EngineCoreOutput("a", (5,), finish_reason="error", error="x")
+    core = EngineCoreOutput(req_id="a", new_token_ids=(5,), finish_reason="error", error="x")
     assert decode(encode(core), EngineCoreOutput) == core
 
 

@@ -57,6 +57,7 @@ class VllmLayoutAttentionBackend(AttentionBackend):
     """Paged attention over a ``[2, num_blocks, block_size, kv_heads, head_size]`` cache."""
 
     name = "vlayout_torch"
+    metadata_type = VllmLayoutMetadata
     platforms = frozenset({NAME})
     supported_dtypes = frozenset({torch.float32, torch.bfloat16, torch.float16})
     supported_block_sizes = frozenset({16, 32})
@@ -86,7 +87,7 @@ class VllmLayoutAttentionBackend(AttentionBackend):
         kv_cache[0].flatten(0, 1).index_copy_(0, slots, k.to(kv_cache.dtype))
         kv_cache[1].flatten(0, 1).index_copy_(0, slots, v.to(kv_cache.dtype))
 
-    def forward(self, q, k, v, kv_cache, metadata: VllmLayoutMetadata) -> torch.Tensor:
+    def _forward(self, q, k, v, kv_cache, metadata: VllmLayoutMetadata) -> torch.Tensor:
         out = torch.zeros_like(q)
         if kv_cache is not None:
             m = metadata.slot_mapping.shape[0]

@@ -157,7 +157,7 @@ def test_bad_folder_is_rejected_and_old_weights_keep_serving(case, llm, folders,
 
 def _trainer(port: int, world_size: int, jobs, results) -> None:
     """A stand-in trainer: joins the group as rank 0, then broadcasts what each job names."""
-    from portaserve.framework.executor.weight_update import TrainerWeightSender
+    from portaserve.framework.executor.weight_transfer import TrainerWeightSender
 
     try:
         sender = TrainerWeightSender("127.0.0.1", port, world_size, timeout_s=60)

@@ -1,172 +1,138 @@
-"""Running a model through the paged KV cache without the engine: a trivial block
-allocator and hand-built AttentionBatch / StepContext per step.
+"""Running a checkpoint through the real engine step path, in-process, for parity tests.
 
-Blocks are handed out in a shuffled order (block tables are not contiguous) and block 0
-is never used, so a slot-mapping or block-table bug reads the wrong K/V and shows up as
-a parity failure.
+`engine(folder)` builds an EngineCore on the CPU platform with the uni executor: the
+real Scheduler and BlockManager decide every step and the real ModelRunner prepares the
+inputs (token ids, positions, slot mapping, block tables), runs the model and samples.
+The harness only records each step's hidden states (by wrapping the runner's
+`_run_model`) so that tests can compare logits at every prompt position.
+
+The block manager's free list is shuffled (block tables are not contiguous), block 0 is
+the reserved null block and the block size (8) is smaller than the prompts, so a
+slot-mapping or block-table bug reads the wrong K/V and shows up as a parity failure.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from portaserve.framework.checkpoint import load_hf_config
 from portaserve.framework.config import EngineConfig
-from portaserve.framework.executor.model_builder import build_model
-from portaserve.framework.interfaces import AttentionBatch
-from portaserve.framework.layer_context import LayerContext, StepContext
+from portaserve.framework.engine.core import EngineCore
+from portaserve.framework.engine.params import PoolingParams, SamplingParams
+from portaserve.framework.engine.request import Request
+from portaserve.framework.engine.startup import resolve_engine
+from portaserve.framework.executor.input_batch import ModelInputs
+from portaserve.framework.executor.model_runner import ModelRunner
 from portaserve.framework.plan import resolve_plan
 from portaserve.framework.plugins import get_registry
 from portaserve.framework.selection import choose_platform
 
 
-def make_plan(model_dir: str | Path, *, dtype: str = "float32", block_size: int = 8, device: str = "cpu"):
+def make_plan(model_dir: str | Path, **config):
+    """The ExecutionPlan (and registry) for `config` (EngineConfig fields; CPU, block size 8
+    unless given), resolved without loading anything."""
     registry = get_registry()
-    config = EngineConfig.create(model=str(model_dir), device=device, dtype=dtype, block_size=block_size)
-    choice = choose_platform(registry, device)
+    config = EngineConfig.create(model=str(model_dir), **{"device": "cpu", "block_size": 8, **config})
+    choice = choose_platform(registry, config.device)
     return resolve_plan(config, registry, choice, load_hf_config(model_dir)), registry
 
 
-def paged_runner(model_dir: str | Path, *, dtype: str = "float32", block_size: int = 8, device: str = "cpu",
-                 num_blocks: int = 256, tp_rank: int = 0, tp_size: int = 1, communicator=None) -> "PagedRunner":
-    """Build the checkpoint's model under a CPU plan (this rank's shard) and wrap it in a PagedRunner."""
-    plan, registry = make_plan(model_dir, dtype=dtype, block_size=block_size, device=device)
-    model = build_model(plan, registry, model_dir, torch.device(device), tp_rank, tp_size, communicator, progress=False)
-    return PagedRunner(model, plan, registry, load_hf_config(model_dir), num_blocks=num_blocks, device=device,
-                       tp_rank=tp_rank, tp_size=tp_size)
+class Engine:
+    """An in-process EngineCore whose runner's hidden states are recorded step by step."""
 
+    def __init__(self, core: EngineCore, seed: int = 0) -> None:
+        self.core = core
+        self.runner: ModelRunner = core.executor.worker.runner
+        self.model = self.runner.model
+        # non-contiguous block tables: hand out the free blocks in a shuffled order
+        random.Random(seed).shuffle(core.block_manager._free_uncached)
+        self.steps: list[tuple[ModelInputs, torch.Tensor]] = []
+        run_model = self.runner._run_model
 
-@dataclass
-class _Seq:
-    tokens: list[int]
-    num_computed: int = 0
-    blocks: list[int] = field(default_factory=list)
+        def recording(inputs: ModelInputs) -> torch.Tensor:
+            hidden = run_model(inputs)
+            self.steps.append((inputs, hidden))
+            return hidden
 
+        self.runner._run_model = recording
+        self._ids = itertools.count()
 
-class PagedRunner:
-    """Drives `model` step by step over a paged KV cache it owns."""
+    def run(self, requests: Sequence[Request], token_budget: int | None = None) -> dict[str, list]:
+        """Add `requests` and step until all finish; `token_budget` is the scheduler's
+        tokens per step (chunked prefill when it is smaller than a prompt).
 
-    def __init__(self, model, plan, registry, hf_config, *, num_blocks: int = 256, device: str = "cpu", seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        self.model = model
-        self.device = torch.device(device)
-        self.block_size = plan.block_size
-        arch = plan.model_class(registry)
-        self.layer_types = arch.attention_layer_types(hf_config)
-        # this rank's heads: the KV cache holds only this rank's share
-        self.backends = LayerContext.from_plan(plan, registry, self.device, tp_rank, tp_size).attention_backends()
-        self.kv_caches = [
-            torch.zeros(self.backends[t].kv_cache_shape(num_blocks), dtype=self.backends[t].kv_cache_torch_dtype(), device=self.device)
-            for t in self.layer_types
-        ]
-        self.free = list(range(1, num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.seqs: dict[int, _Seq] = {}
-
-    def add(self, seq_id: int, tokens: Sequence[int]) -> None:
-        self.seqs[seq_id] = _Seq(list(tokens))
-
-    def append(self, seq_id: int, token: int) -> None:
-        self.seqs[seq_id].tokens.append(token)
-
-    def step(self, work: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-        """Run one forward: `work` is (seq_id, num_new_tokens) per sequence, in batch order.
-
-        :returns: the hidden states of each sequence's new tokens, [num_new, hidden] each.
+        :returns: each request's EngineCoreOutputs, by request id.
         """
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        qsl, seq_lens, tables = [0], [], []
-        for seq_id, n in work:
-            seq = self.seqs[seq_id]
-            start = seq.num_computed
-            end = start + n
-            if end > len(seq.tokens):
-                raise ValueError(f"sequence {seq_id} has {len(seq.tokens)} tokens, asked to compute up to {end}")
-            while len(seq.blocks) * bs < end:
-                seq.blocks.append(self.free.pop())
-            for pos in range(start, end):
-                input_ids.append(seq.tokens[pos])
-                positions.append(pos)
-                slots.append(seq.blocks[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            tables.append(seq.blocks)
-        width = max(len(t) for t in tables)
-        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        batch = AttentionBatch(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=block_table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            max_query_len=max(n for _, n in work),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            num_actual_tokens=len(input_ids),
-        )
-        metadata = {t: b.build_metadata(batch) for t, b in self.backends.items()}
-        step = StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc)
-        with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
-                step,
-            )
-        for seq_id, n in work:
-            self.seqs[seq_id].num_computed += n
-        return list(hidden.split([n for _, n in work]))
+        scheduler = self.core.scheduler
+        scheduler.max_num_batched_tokens = token_budget or max(2048, sum(len(r.prompt_token_ids) for r in requests))
+        outputs: dict[str, list] = {r.request_id: [] for r in requests}
+        for request in requests:
+            self.core.add_request(request)
+        while self.core.has_unfinished_requests():
+            for out in self.core.step():
+                outputs[out.req_id].append(out)
+        return outputs
+
+    def new_id(self) -> str:
+        return f"r{next(self._ids)}"
 
 
-def prompt_logits(runner: PagedRunner, prompts: Sequence[Sequence[int]], chunk: int | None = None) -> list[torch.Tensor]:
-    """Float32 logits at every prompt position, prompts batched together; with `chunk`,
-    prompts are fed `chunk` tokens per step (chunked prefill across several steps)."""
-    base = len(runner.seqs)
-    for i, p in enumerate(prompts):
-        runner.add(base + i, p)
-    pieces: list[list[torch.Tensor]] = [[] for _ in prompts]
-    remaining = [len(p) for p in prompts]
-    while any(remaining):
-        work = [(base + i, min(r, chunk or r)) for i, r in enumerate(remaining) if r]
-        hidden = runner.step(work)
-        for (seq_id, n), h in zip(work, hidden):
-            i = seq_id - base
-            with torch.inference_mode():
-                pieces[i].append(runner.model.compute_logits(h))
-            remaining[i] -= n
-    return [torch.cat(p) for p in pieces]
+def engine(model_dir: str | Path, *, max_model_len: int | None = None, seed: int = 0, **config) -> Engine:
+    """The checkpoint's model behind a real EngineCore on the CPU; `config` goes to
+    EngineConfig (dtype, quantization, ...) over the harness's defaults: float32, block
+    size 8, 256 blocks, prefix caching off (every prompt position is computed).
+    `max_model_len` may exceed the checkpoint's max_position_embeddings (transformers runs
+    past it too)."""
+    defaults = dict(device="cpu", dtype="float32", block_size=8, num_gpu_blocks_override=256,
+                    enable_prefix_caching=False, enable_chunked_prefill=True, max_num_seqs=32)
+    spec = resolve_engine(EngineConfig.create(model=str(model_dir), **{**defaults, **config}))
+    if max_model_len is not None:
+        spec = dataclasses.replace(spec, max_model_len=max_model_len)
+    return Engine(EngineCore(spec), seed=seed)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def prompt_logits(eng: Engine, prompts: Sequence[Sequence[int]], token_budget: int | None = None) -> list[torch.Tensor]:
+    """Float32 logits at every prompt position, prompts batched together; with
+    `token_budget`, prompts are prefilled in chunks over several steps."""
+    requests = [Request(eng.new_id(), list(p), sampling_params=_greedy(1), max_tokens=1) for p in prompts]
+    first = len(eng.steps)
+    eng.run(requests, token_budget)
+    pieces: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
+    with torch.inference_mode():
+        for inputs, hidden in eng.steps[first:]:
+            qsl = inputs.query_start_loc.tolist()
+            for i, req_id in enumerate(inputs.req_ids):
+                if req_id in pieces:  # max_tokens 1: every row computed is a prompt position
+                    pieces[req_id].append(eng.model.compute_logits(hidden[qsl[i] : qsl[i + 1]]).float())
+    return [torch.cat(pieces[r.request_id]) for r in requests]
 
 
 def greedy_generate(
-    runner: PagedRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int, chunk: int | None = None
+    eng: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, token_budget: int | None = None
 ) -> list[list[int]]:
-    """Greedy continuation of every prompt, all in one batch: prefill (in chunks of
-    `chunk` tokens when given, so prefill chunks and decodes share steps), then decodes."""
-    base = len(runner.seqs)
-    for i, p in enumerate(prompts):
-        runner.add(base + i, p)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    while any(len(o) < max_new_tokens for o in outputs):
-        work = []
-        for i in range(len(prompts)):
-            if len(outputs[i]) >= max_new_tokens:
-                continue
-            seq = runner.seqs[base + i]
-            left = len(seq.tokens) - seq.num_computed
-            work.append((base + i, min(left, chunk) if chunk else left))
-        hidden = runner.step(work)
-        # a prefill chunk that does not reach the end of its prompt samples nothing
-        done = [(seq_id, h[-1]) for (seq_id, _), h in zip(work, hidden)
-                if runner.seqs[seq_id].num_computed == len(runner.seqs[seq_id].tokens)]
-        if not done:
-            continue
-        with torch.inference_mode():
-            tokens = runner.model.compute_logits(torch.stack([h for _, h in done])).argmax(-1).tolist()
-        for (seq_id, _), token in zip(done, tokens):
-            outputs[seq_id - base].append(token)
-            runner.append(seq_id, token)
-    return outputs
+    """Greedy continuation of every prompt, sampled by the runner's sampler; with a small
+    `token_budget`, prefill chunks and decodes share steps."""
+    requests = [
+        Request(eng.new_id(), list(p), sampling_params=_greedy(max_new_tokens), max_tokens=max_new_tokens)
+        for p in prompts
+    ]
+    outputs = eng.run(requests, token_budget)
+    return [[t for out in outputs[r.request_id] for t in out.new_token_ids] for r in requests]
+
+
+def embeddings(eng: Engine, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """The pooled embedding of each prompt, as the runner's `_pool` returns it."""
+    requests = [Request(eng.new_id(), list(p), pooling_params=PoolingParams()) for p in prompts]
+    outputs = eng.run(requests)
+    pooled = [next(o.pooler_output for o in outputs[r.request_id] if o.pooler_output is not None) for r in requests]
+    return [torch.tensor(p) for p in pooled]

@@ -1,10 +1,11 @@
-"""Every architecture against transformers on the same random weights, through the paged KV cache.
+"""Every architecture against transformers on the same random weights, through the real
+engine step path (Scheduler + BlockManager -> ModelRunner, see model_harness.py).
 
 Reference: transformers' own implementation (`AutoModelForCausalLM` / `AutoModel`), one
 prompt at a time (no padding). Ours: all prompts in one batch on the CPU attention
 backend, block size 8 (smaller than the prompts), blocks handed out in shuffled order,
-and, where a test says so, prompts fed in chunks so that prefill chunks and decodes
-share steps.
+and, where a test says so, a small token budget per step, so that prompts prefill in
+chunks and prefill chunks and decodes share steps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from model_harness import greedy_generate, paged_runner, prompt_logits  # noqa: E402
+from model_harness import embeddings, engine, greedy_generate, prompt_logits  # noqa: E402
 
 CAUSAL = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
 VOCAB = 151936
@@ -58,11 +59,18 @@ def hf_greedy(folder: str, prompt, max_new_tokens: int, dtype: str = "float32") 
     return out[0, len(prompt) :].tolist()
 
 
-def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert ours.shape == ref.shape, what
+def logits_mismatch(ours: torch.Tensor, ref: torch.Tensor, what: str) -> str | None:
+    """Why `ours` is not within 1e-4 x max |logit| of `ref`, or None when it is."""
+    if ours.shape != ref.shape:
+        return f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
     err = (ours - ref).abs().max().item()
     scale = ref.abs().max().item()
-    assert err <= 1e-4 * scale, f"{what}: max abs error {err:.3g} > 1e-4 x max |logit| {scale:.3g}"
+    return None if err <= 1e-4 * scale else f"{what}: max abs error {err:.3g} > 1e-4 x max |logit| {scale:.3g}"
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    mismatch = logits_mismatch(ours, ref, what)
+    assert mismatch is None, mismatch
 
 
 # ----- float32 logits and greedy continuations --------------------------------------------
@@ -76,13 +84,41 @@ def test_transformers_loads_checkpoint_without_missing_keys(arch, checkpoint):
 
 
 @pytest.mark.parametrize("arch", CAUSAL)
-@pytest.mark.parametrize("chunk", [None, 7], ids=["whole-prompts", "chunked-prefill"])
-def test_prompt_logits_match_transformers(arch, chunk, checkpoint):
+@pytest.mark.parametrize("budget", [None, 13], ids=["whole-prompts", "chunked-prefill"])
+def test_prompt_logits_match_transformers(arch, budget, checkpoint):
     folder = checkpoint(arch)
     prompts = random_prompts([5, 11, 19, 33, 40], seed=1)
-    ours = prompt_logits(paged_runner(folder), prompts, chunk=chunk)
+    ours = prompt_logits(engine(folder), prompts, token_budget=budget)
     for prompt, logits in zip(prompts, ours):
         assert_logits_close(logits, hf_logits(folder, prompt), f"{arch} prompt of {len(prompt)} tokens")
+
+
+@pytest.mark.grid(keep=1)
+@pytest.mark.parametrize("mutation", ["slot-offset-off-by-one", "first-two-blocks-swapped"])
+def test_parity_fails_when_the_runners_slot_mapping_is_broken(mutation, checkpoint, monkeypatch):
+    """A mutation test: the parity above runs through the runner's own input preparation,
+    so a runner that writes K/V to the wrong slots must fail it."""
+    from portaserve.framework.executor import input_batch
+
+    real = input_batch.slot_mapping
+    calls = []
+
+    def broken(block_table, row_of_token, positions, block_size):
+        calls.append(len(positions))
+        if mutation == "first-two-blocks-swapped":
+            block_table = block_table.copy()
+            block_table[:, [0, 1]] = block_table[:, [1, 0]]
+            return real(block_table, row_of_token, positions, block_size)
+        slots = real(block_table, row_of_token, positions, block_size)
+        return slots - slots % block_size + (slots + 1) % block_size  # next slot of the same block
+
+    monkeypatch.setattr(input_batch, "slot_mapping", broken)
+    folder = checkpoint("LlamaForCausalLM")
+    prompts = random_prompts([11, 19, 33], seed=1)
+    ours = prompt_logits(engine(folder), prompts, token_budget=13)
+    assert calls, "the runner did not use input_batch.slot_mapping"
+    mismatches = [logits_mismatch(o, hf_logits(folder, p), f"prompt of {len(p)}") for p, o in zip(prompts, ours)]
+    assert any(mismatches), f"{mutation}: parity still passes with a broken slot mapping"
 
 
 @pytest.mark.grid(keep=1)
@@ -90,8 +126,8 @@ def test_prompt_logits_match_transformers(arch, chunk, checkpoint):
 def test_greedy_continuations_match_generate(arch, checkpoint):
     folder = checkpoint(arch)
     prompts = random_prompts([3, 9, 12, 17, 20, 25, 30, 41], seed=2)
-    # chunks of 6: long prompts prefill over several steps while short ones already decode
-    ours = greedy_generate(paged_runner(folder), prompts, 32, chunk=6)
+    # 24 tokens a step: long prompts prefill over several steps while short ones already decode
+    ours = greedy_generate(engine(folder), prompts, 32, token_budget=24)
     for prompt, tokens in zip(prompts, ours):
         assert tokens == hf_greedy(folder, prompt, 32), f"{arch}: prompt of {len(prompt)} tokens diverged"
     # a continuation that repeats one token would hide a misread KV cache
@@ -103,9 +139,9 @@ def test_greedy_continuations_match_generate(arch, checkpoint):
 def test_bfloat16_top1_agrees_with_transformers(arch, checkpoint):
     folder = checkpoint(arch)  # float32 on disk: both sides convert to bfloat16 on load
     prompts = random_prompts([30, 45, 60, 64, 50, 40, 33, 64], seed=3)
-    runner = paged_runner(folder, dtype="bfloat16")
-    assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    ours = prompt_logits(runner, prompts, chunk=16)
+    eng = engine(folder, dtype="bfloat16")
+    assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ours = prompt_logits(eng, prompts, token_budget=100)
     agree = total = 0
     for prompt, logits in zip(prompts, ours):
         ref = hf_logits(folder, prompt, "bfloat16")
@@ -118,7 +154,7 @@ def test_sliding_window_changes_the_result(checkpoint):
     """Control for Mistral's window of 8: transformers without the window disagrees with us."""
     folder = checkpoint("MistralForCausalLM")
     prompt = random_prompts([40], seed=4)[0]
-    ours = prompt_logits(paged_runner(folder), [prompt])[0]
+    ours = prompt_logits(engine(folder), [prompt])[0]
     config = transformers.AutoConfig.from_pretrained(folder)
     config.sliding_window = None
     full = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
@@ -132,7 +168,7 @@ def test_qwen2_mixes_full_and_sliding_layers(checkpoint):
     from portaserve.models.qwen2 import Qwen2ForCausalLM
 
     folder = checkpoint("Qwen2ForCausalLM")
-    runner = paged_runner(folder)
+    runner = engine(folder).runner
     assert runner.layer_types == ["full", "full", "sliding"]
     assert set(runner.backends) == {"full", "sliding"}
     assert runner.backends["sliding"].spec.sliding_window == 16
@@ -151,15 +187,15 @@ def _config(folder):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_llama_tied_and_untied_embeddings(tied, checkpoint):
     folder = checkpoint("LlamaForCausalLM", config_overrides={"tie_word_embeddings": tied})
-    runner = paged_runner(folder)
-    model = runner.model
+    eng = engine(folder)
+    model = eng.model
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     from safetensors import safe_open
 
     with safe_open(f"{folder}/model.safetensors", "pt") as f:
         assert ("lm_head.weight" in f.keys()) != tied
     prompts = random_prompts([6, 21], seed=5)
-    for prompt, logits in zip(prompts, prompt_logits(runner, prompts)):
+    for prompt, logits in zip(prompts, prompt_logits(eng, prompts)):
         assert_logits_close(logits, hf_logits(folder, prompt), f"tied={tied}")
 
 
@@ -182,12 +218,12 @@ def test_rope_scaling_matches_transformers(variant, checkpoint):
     overrides = {"rope_scaling": ROPE_VARIANTS[variant], "max_position_embeddings": max_len}
     folder = checkpoint("LlamaForCausalLM", config_overrides=overrides)
     prompts = random_prompts([12, 30, 45], seed=6)
-    runner = paged_runner(folder)
-    for prompt, logits in zip(prompts, prompt_logits(runner, prompts)):
+    eng = engine(folder, max_model_len=max(max_len, 64))
+    for prompt, logits in zip(prompts, prompt_logits(eng, prompts)):
         assert_logits_close(logits, hf_logits(folder, prompt), f"{variant}, prompt of {len(prompt)}")
     # greedy from 28 tokens to 48: crosses max_position_embeddings mid-decode
     gen_prompts = random_prompts([28, 20], seed=7)
-    ours = greedy_generate(paged_runner(folder), gen_prompts, 20, chunk=9)
+    ours = greedy_generate(eng, gen_prompts, 20, token_budget=9)
     for prompt, tokens in zip(gen_prompts, ours):
         assert tokens == hf_greedy(folder, prompt, 20), f"{variant}: continuation of {len(prompt)} diverged"
     # control: the scaling is not a no-op on these prompts
@@ -216,16 +252,10 @@ def test_bert_embeddings_match_transformers(pooling, normalize, checkpoint):
 
     folder = checkpoint("BertModel", pooling=pooling, normalize=normalize)
     assert load_hf_config(folder)["portaserve_pooling"] == {"mode": pooling, "normalize": normalize}
-    runner = paged_runner(folder)
-    assert runner.model.is_pooling and runner.kv_caches == []
+    eng = engine(folder)
+    assert eng.model.is_pooling and eng.runner.kv_caches == []
     prompts = random_prompts([4, 13, 29, 50], seed=8)
-    for i, p in enumerate(prompts):
-        runner.add(i, p)
-    hidden = torch.cat(runner.step([(i, len(p)) for i, p in enumerate(prompts)]))
-    from portaserve.framework.layer_context import StepContext
-
-    qsl = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()], dtype=torch.int32)
-    ours = runner.model.pool(hidden, StepContext(attn_metadata={}, query_start_loc=qsl))
+    ours = embeddings(eng, prompts)
     hf, info = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     hf.eval()
@@ -251,12 +281,12 @@ def test_sharded_checkpoint_loads_identically(checkpoint):
 
     shards = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))
     assert len(shards) >= 3 and "model.safetensors" not in shards
-    a = paged_runner(single).model.state_dict()
-    b = paged_runner(sharded).model.state_dict()
+    a = engine(single).model.state_dict()
+    b = engine(sharded).model.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     prompt = random_prompts([14], seed=9)[0]
-    assert_logits_close(prompt_logits(paged_runner(sharded), [prompt])[0], hf_logits(sharded, prompt), "sharded")
+    assert_logits_close(prompt_logits(engine(sharded), [prompt])[0], hf_logits(sharded, prompt), "sharded")
 
 
 @pytest.mark.parametrize(("stored", "requested", "expected"), [
@@ -269,7 +299,7 @@ def test_dtype_conversion_on_load(stored, requested, expected, checkpoint):
     from safetensors.torch import load_file
 
     folder = checkpoint("Qwen3ForCausalLM", dtype=stored)
-    model = paged_runner(folder, dtype=requested).model
+    model = engine(folder, dtype=requested).model
     raw = load_file(f"{folder}/model.safetensors")
     for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.q_norm.weight", "model.norm.weight"):
         param = model.get_parameter(name)
@@ -301,7 +331,7 @@ def test_unexpected_and_missing_tensors_are_clear_errors(checkpoint, tmp_path):
         shutil.copytree(src, folder)
         save_file(edit(tensors), str(folder / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(InvalidParameterError, match=pattern):
-            paged_runner(folder)
+            engine(folder)
 
 
 def test_unknown_architecture_lists_the_supported_ones(checkpoint, tmp_path):

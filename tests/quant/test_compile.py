@@ -14,10 +14,9 @@ import torch
 from portaserve.framework.config import EngineConfig
 from portaserve.framework.errors import UnsupportedError
 from portaserve.framework.executor import compile as compile_mod
-from portaserve.framework.executor.compile import (
+from portaserve.framework.executor.compile import EagerForward, TorchCompileForward
+from portaserve.framework.executor.decode_graphs import (
     DecodeGraphForward,
-    EagerForward,
-    TorchCompileForward,
     bucket_for,
     copy_tensors,
     decode_buckets,

@@ -48,6 +48,7 @@ class NovaPagedAttentionBackend(AttentionBackend):
     """Paged attention for nova: K and V planes, blocks of 32 tokens."""
 
     name = "nova_paged"
+    metadata_type = NovaAttentionMetadata
     platforms = frozenset({"nova"})
     supported_dtypes = frozenset({torch.float32, torch.bfloat16, torch.float16})
     supported_kv_cache_dtypes = frozenset({"auto"})
@@ -91,7 +92,7 @@ class NovaPagedAttentionBackend(AttentionBackend):
         hkv, d = self.spec.num_kv_heads, self.spec.head_size
         return kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d)
 
-    def forward(self, q, k, v, kv_cache, metadata: NovaAttentionMetadata) -> torch.Tensor:
+    def _forward(self, q, k, v, kv_cache, metadata: NovaAttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         k_plane, v_plane = self._planes(kv_cache)
         n = metadata.num_actual_tokens

@@ -48,6 +48,7 @@ class ExamplePagedAttentionBackend(AttentionBackend):
     """Paged attention over a host-memory, block-major KV cache."""
 
     name = "example_paged"
+    metadata_type = ExampleAttentionMetadata
     platforms = frozenset({"example"})
     supported_dtypes = frozenset({torch.float32, torch.bfloat16, torch.float16})
     supported_kv_cache_dtypes = frozenset({"auto"})
@@ -90,7 +91,7 @@ class ExamplePagedAttentionBackend(AttentionBackend):
             write_slots = batch.slot_mapping[: batch.num_actual_tokens].to(torch.int64).to(self.device)
         return ExampleAttentionMetadata(batch.num_actual_tokens, write_slots, tuple(sequences))
 
-    def forward(self, q, k, v, kv_cache, metadata: ExampleAttentionMetadata) -> torch.Tensor:
+    def _forward(self, q, k, v, kv_cache, metadata: ExampleAttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         out = torch.zeros_like(q)
         if metadata.write_slots is not None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interfaces import QuantMethod
+from ..interfaces import QuantMethod
 
 
 class UnquantizedMethod(QuantMethod):
