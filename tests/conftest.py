@@ -35,15 +35,24 @@ import torch
 # with the same names: transformers >= 5.25 imports the hub's `kernels` package and got
 # ours. The tests import the installed portaserve only, so the root comes off sys.path.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+_TESTS = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
 
 
+def _in_repo_root_or_tests(entry: str) -> bool:
+    path = Path(entry or os.getcwd()).resolve()
+    return path == _REPO_ROOT or path == _TESTS or _TESTS in path.parents
+
+
 class _RepoFoldersAreNotTopLevel(importlib.abc.MetaPathFinder):
-    """Finds `kernels`, `framework`, ... anywhere but in the repository root.
+    """Finds `kernels`, `framework`, ... anywhere but in the repository root and tests/.
 
     pytest puts the root back on sys.path when it sets up the root folder as a package
     (it has an __init__.py: it is `portaserve`), which depends on the clone's folder
-    name; this finder makes the shadowing impossible whatever sys.path holds.
+    name; this finder makes the shadowing impossible whatever sys.path holds. tests/ is on
+    sys.path too (pytest inserts the folder of this conftest), and its folders mirror the
+    code's (tests/framework, tests/kernels, ...): without __init__.py they would be found
+    as namespace packages, so `import kernels` would succeed on a test folder.
     """
 
     NAMES = frozenset({"kernels", "framework", "models", "platforms", "benchmarks", "examples", "ci"})
@@ -51,7 +60,7 @@ class _RepoFoldersAreNotTopLevel(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if path is not None or fullname not in self.NAMES:
             return None
-        elsewhere = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
+        elsewhere = [p for p in sys.path if not _in_repo_root_or_tests(p)]
         spec = importlib.machinery.PathFinder.find_spec(fullname, elsewhere)
         if spec is None:
             raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
@@ -287,19 +296,46 @@ def fake_devices(monkeypatch, tmp_path) -> FakeDevices:
 
 
 @pytest.fixture(scope="session")
-def engine_checkpoint(tmp_path_factory):
-    """make(arch, size, seed, **options): a random-weight checkpoint folder (with the real
-    Qwen2 tokenizer), written once per session per argument set."""
+def checkpoint(tmp_path_factory):
+    """`checkpoint(arch, size, seed, **options)`: the folder of a random-weight checkpoint
+    (options go to `write_checkpoint`: dtype, config_overrides, max_shard_bytes, pooling,
+    tokenizer, ...; the real Qwen2 tokenizer unless `tokenizer=False`), written once per
+    session per argument set."""
+    import json
+
     from portaserve.models.checkpoints import write_checkpoint
 
-    made: dict[tuple, str] = {}
+    made: dict[str, str] = {}
 
     def make(arch: str = "Qwen2ForCausalLM", size: str = "tiny", seed: int = 0, **options) -> str:
-        key = (arch, size, seed, tuple(sorted(options.items())))
+        key = json.dumps([arch, size, seed, options], sort_keys=True, default=str)
         if key not in made:
-            folder = tmp_path_factory.mktemp(f"engine-{arch}")
+            folder = tmp_path_factory.mktemp(f"{arch}-{size}-{seed}")
             write_checkpoint(arch, size, folder, seed, **options)
             made[key] = str(folder)
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def engine_tiny_config():
+    """config.json of a tiny Qwen2: enough to resolve an ExecutionPlan without weights."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+    }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_threads():
+    """At most two torch threads: CI machines are small and other suites run alongside."""
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    yield

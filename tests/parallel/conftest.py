@@ -16,18 +16,12 @@ def _few_threads(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    from portaserve.models.checkpoints import write_checkpoint
-
-    made: dict[tuple, str] = {}
+def checkpoint(checkpoint):
+    """The session `checkpoint` (tests/conftest.py), tiny and float32, seed second:
+    `checkpoint(arch, seed, **options)`."""
 
     def make(arch: str = "Qwen2ForCausalLM", seed: int = 0, **options) -> str:
-        key = (arch, seed, repr(sorted(options.items())))
-        if key not in made:
-            folder = tmp_path_factory.mktemp(f"{arch}-{seed}")
-            write_checkpoint(arch, "tiny", folder, seed, dtype="float32", **options)
-            made[key] = str(folder)
-        return made[key]
+        return checkpoint(arch, "tiny", seed, dtype="float32", **options)
 
     return make
 

@@ -15,7 +15,7 @@ from portaserve.framework.server.state import ServerSettings
 
 from .util import ENGINE_KW, prompts_of
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "framework" / "server"))
 from server_harness import ServerThread  # noqa: E402  (the server tests' harness)
 
 ARCH = "Qwen2ForCausalLM"

@@ -30,8 +30,8 @@ def hf_greedy(model, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def folder(engine_checkpoint):
-    return engine_checkpoint(ARCH)
+def folder(checkpoint):
+    return checkpoint(ARCH)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """The conformance kit checks the ops and quant methods a plugin contributes.
 
 Issue 22, failure 3: nothing in the kit checked ops or quant methods. Here the op
-implementations and the quant method of tests/null/vllm_layout_plugin.py pass the kit's
+implementations and the quant method of tests/framework/testing/vllm_layout_plugin.py pass the kit's
 checks (:mod:`portaserve.framework.testing.op_checks`, :mod:`.quant_checks`), and planted
 bugs in copies of them are caught. The whole kit runs on the installed plugin in
-tests/null/test_conformance.py.
+tests/framework/testing/test_conformance.py.
 """
 
 from __future__ import annotations

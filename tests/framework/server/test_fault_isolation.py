@@ -14,7 +14,7 @@ from portaserve.framework.config import EngineConfig
 from server_harness import ServerThread
 
 # two servers, requests that run to their fault: the full suite (the engine-level case is
-# in tests/engine/test_llm_engine.py, in the fast tier)
+# in tests/framework/engine/test_llm_engine.py, in the fast tier)
 pytestmark = pytest.mark.slow
 
 

@@ -18,7 +18,7 @@ from portaserve.framework.plan import resolve_plan
 from portaserve.framework.plugins import PLATFORM_GROUP, PLUGIN_GROUP, discover_entry_points, load_plugins
 from portaserve.framework.selection import choose_platform
 
-from test_plugins import Plugins  # noqa: E402 (tests/null is on sys.path: rootdir-relative test modules)
+from test_plugins import Plugins  # noqa: E402 (tests/framework is on sys.path: rootdir-relative test modules)
 
 pytestmark = pytest.mark.usefixtures("plugin_env")
 
@@ -168,10 +168,10 @@ def test_platform_capabilities_reject_a_default_outside_their_sizes():
 
 
 @pytest.mark.timeout(120)
-def test_llm_on_a_32_only_platform_generates_like_cpu(plugins, monkeypatch, engine_checkpoint):
+def test_llm_on_a_32_only_platform_generates_like_cpu(plugins, monkeypatch, checkpoint):
     from portaserve import LLM, SamplingParams
 
-    folder = engine_checkpoint("LlamaForCausalLM")
+    folder = checkpoint("LlamaForCausalLM")
     registry = registry_with(acme(plugins))
     use_registry(monkeypatch, registry)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -382,10 +382,10 @@ def test_auto_passes_over_a_higher_scored_platform_that_cannot_serve_the_model(p
         plan_for(registry, "big", engine_tiny_config)
 
 
-def test_auto_in_the_engine_lists_why_in_the_plan(plugins, monkeypatch, engine_checkpoint):
+def test_auto_in_the_engine_lists_why_in_the_plan(plugins, monkeypatch, checkpoint):
     from portaserve.framework.engine.startup import resolve_engine
 
-    folder = engine_checkpoint("LlamaForCausalLM")
+    folder = checkpoint("LlamaForCausalLM")
     registry = registry_with(acme(plugins, "big", score=500, head_sizes="frozenset({256})"))
     spec = resolve_engine(EngineConfig.create(model=folder), registry)
     assert spec.plan.platform.name == "cpu"

@@ -1,7 +1,7 @@
 """The conformance kit, run exactly as a plugin author runs it: a separate pytest process,
 started outside the repository, ``pytest --pyargs portaserve.framework.testing --platform NAME``.
 The CPU platform, the pip-installed example plugin and a plugin built here with a
-vLLM-style KV layout (tests/null/vllm_layout_plugin.py, installed as a distribution
+vLLM-style KV layout (tests/framework/testing/vllm_layout_plugin.py, installed as a distribution
 into a temporary folder) must pass it; an unavailable platform fails it unless
 ``--allow-unavailable``; the end of every run is a one-page summary."""
 
@@ -32,7 +32,7 @@ def _summary(proc) -> dict[str, int]:
 
 
 def install_layout_plugin(tmp_path, **env: str) -> dict[str, str]:
-    """Install tests/null/vllm_layout_plugin.py as a distribution (a dist-info folder with its
+    """Install tests/framework/testing/vllm_layout_plugin.py as a distribution (a dist-info folder with its
     entry point) in a folder of its own; returns the environment that puts it on the path."""
     site = tmp_path / "site"
     info = site / "vllm_layout_plugin-0.1.dist-info"

@@ -2,11 +2,11 @@
 
 Issue 22, failure 2: a backend with vLLM's ``[2, num_blocks, block_size, kv_heads,
 head_size]`` layout generated correctly, yet the kit failed it with IndexErrors inside
-the kit. Here a backend with that layout (tests/null/vllm_layout_plugin.py, plain
+the kit. Here a backend with that layout (tests/framework/testing/vllm_layout_plugin.py, plain
 torch, ``kv_cache_block_dim = 1``) passes the attention grid the kit builds for its
 platform and the KV-cache allocator checks, and planted bugs in such a backend and
 allocator are caught with messages about them, not about the kit. The same plugin,
-installed as a distribution, passes the whole kit in tests/null/test_conformance.py.
+installed as a distribution, passes the whole kit in tests/framework/testing/test_conformance.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+SOAK = Path(__file__).resolve().parents[3] / "benchmarks" / "soak.py"
 
 
 def test_short_soak_loses_nothing_and_frees_every_block(tmp_path):

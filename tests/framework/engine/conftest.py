@@ -1,4 +1,4 @@
-"""Engine-level fixtures: transformers' models of the tiny checkpoints (`engine_checkpoint`,
+"""Engine-level fixtures: transformers' models of the tiny checkpoints (`checkpoint`,
 in tests/conftest.py), shared per session since loading one costs seconds."""
 
 from __future__ import annotations

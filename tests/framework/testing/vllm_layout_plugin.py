@@ -5,7 +5,7 @@ The "vlayout" device computes on the host CPU. Its backend stores the KV cache a
 ids on dim 1: ``kv_cache_block_dim = 1``), in plain torch, one sequence at a time. The
 platform serves block sizes 16 and 32 (default 32). It also declares an op of its own
 (``vlayout_gelu_and_mul``), implements it and ``rms_norm``, and contributes a quant
-method (a "none" variant keeping the weight transposed). tests/null/test_kit_layouts.py
+method (a "none" variant keeping the weight transposed). tests/framework/testing/test_kit_layouts.py
 and test_kit_components.py run the kit's checks on its parts in process;
 test_conformance.py installs it as a distribution and runs the whole kit.
 """

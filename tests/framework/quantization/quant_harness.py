@@ -1,5 +1,5 @@
 """Build a checkpoint's model under a CPU plan with a given quantization and read its
-logits for whole prompts, through the real engine step path (tests/platform/model_harness.py:
+logits for whole prompts, through the real engine step path (tests/models/model_harness.py:
 Scheduler + BlockManager -> ModelRunner)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
 import model_harness  # noqa: E402
 
 BLOCK_SIZE = 8

@@ -21,7 +21,7 @@ from portaserve.framework.cli.serve import FLAGS, engine_kwargs, server_settings
 from portaserve.framework.config import EngineConfig
 from server_harness import free_port
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 PORTASERVE = str(Path(sys.executable).parent / "portaserve")
 
 
