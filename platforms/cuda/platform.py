@@ -6,10 +6,11 @@ import importlib.util
 
 import torch
 
-from portaserve.framework.interfaces import SCORE_ACCELERATOR, DeviceInfo, Platform, PlatformCapabilities, Unavailable
+from portaserve.framework.interfaces import SCORE_ACCELERATOR, DeviceInfo, PlatformCapabilities, Unavailable
 
 from .devices import summarize, visible_gpus
-from .graphs import CUDA_GRAPHS, TorchCudaGraphs
+from .graphs import CUDA_GRAPHS
+from .torch_cuda import TorchCudaPlatform
 
 # Ampere (8.0) is the first architecture with bf16 tensor cores; Ada (8.9) and Hopper
 # (9.0) add fp8 ones; Turing (7.5) has int8 (IMMA) tensor cores.
@@ -23,11 +24,9 @@ def parse_capability(capability: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TorchCudaPlatform):
     name = "cuda"
-    device_type = "cuda"
     dist_backend = "nccl"
-    ray_resource = "GPU"
 
     @classmethod
     def probe(cls) -> DeviceInfo | Unavailable:
@@ -91,31 +90,8 @@ class CudaPlatform(Platform):
             default_block_size=16,
         )
 
-    def preferred_attention_backends(self) -> tuple[str, ...]:
-        return ("triton",)
-
     def default_communicator(self) -> str:
         return "nccl"
 
     def default_kv_cache_allocator(self) -> str:
         return "cuda"
-
-    def _torch_device(self, local_rank: int) -> torch.device:
-        return torch.device("cuda", local_rank)
-
-    def _memory_info(self, local_rank: int) -> tuple[int, int]:
-        # Creates the device's context if it does not exist yet: fine after selection.
-        free, total = torch.cuda.mem_get_info(local_rank)
-        return int(free), int(total)
-
-    def _init_worker(self, local_rank: int) -> None:
-        torch.cuda.set_device(local_rank)
-
-    def synchronize(self, local_rank: int = 0) -> None:
-        torch.cuda.synchronize(local_rank)
-
-    def graph_capture(self, compile_backend: str, local_rank: int = 0) -> TorchCudaGraphs | None:
-        return TorchCudaGraphs(self.torch_device(local_rank)) if compile_backend == CUDA_GRAPHS else None
-
-    def compute_units(self, local_rank: int = 0) -> int:
-        return int(torch.cuda.get_device_properties(self.torch_device(local_rank)).multi_processor_count)

@@ -6,9 +6,10 @@ import importlib.util
 
 import torch
 
-from portaserve.framework.interfaces import SCORE_ACCELERATOR, DeviceInfo, Platform, PlatformCapabilities, Unavailable
+from portaserve.framework.interfaces import SCORE_ACCELERATOR, DeviceInfo, PlatformCapabilities, Unavailable
 from portaserve.platforms.cuda.devices import summarize, visible_gpus
-from portaserve.platforms.cuda.graphs import CUDA_GRAPHS, TorchCudaGraphs
+from portaserve.platforms.cuda.graphs import CUDA_GRAPHS
+from portaserve.platforms.cuda.torch_cuda import TorchCudaPlatform
 
 # gfx arch prefixes: MI300 (gfx94x) and MI350 (gfx950) have fp8 matrix cores; MI100 (gfx908)
 # and later CDNA parts, and RDNA3/4 (gfx11xx/gfx12xx) have int8 ones; Vega (gfx900/gfx906)
@@ -25,12 +26,10 @@ def gfx_arch(gcn_arch_name: str) -> str:
     return gcn_arch_name.split(":", 1)[0].strip()
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(TorchCudaPlatform):
     name = "rocm"
-    # HIP builds of torch address AMD GPUs as "cuda" devices.
-    device_type = "cuda"
+    # (device_type "cuda": HIP builds of torch address AMD GPUs as "cuda" devices)
     dist_backend = "nccl"
-    ray_resource = "GPU"
 
     @classmethod
     def probe(cls) -> DeviceInfo | Unavailable:
@@ -96,31 +95,8 @@ class RocmPlatform(Platform):
             default_block_size=16,
         )
 
-    def preferred_attention_backends(self) -> tuple[str, ...]:
-        return ("triton",)
-
     def default_communicator(self) -> str:
         return "rccl"
 
     def default_kv_cache_allocator(self) -> str:
         return "rocm"
-
-    def _torch_device(self, local_rank: int) -> torch.device:
-        return torch.device("cuda", local_rank)
-
-    def _memory_info(self, local_rank: int) -> tuple[int, int]:
-        free, total = torch.cuda.mem_get_info(local_rank)
-        return int(free), int(total)
-
-    def _init_worker(self, local_rank: int) -> None:
-        torch.cuda.set_device(local_rank)
-
-    def synchronize(self, local_rank: int = 0) -> None:
-        torch.cuda.synchronize(local_rank)
-
-    def graph_capture(self, compile_backend: str, local_rank: int = 0) -> TorchCudaGraphs | None:
-        # HIP graphs, through the same torch.cuda API
-        return TorchCudaGraphs(self.torch_device(local_rank)) if compile_backend == CUDA_GRAPHS else None
-
-    def compute_units(self, local_rank: int = 0) -> int:
-        return int(torch.cuda.get_device_properties(self.torch_device(local_rank)).multi_processor_count)
