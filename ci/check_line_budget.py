@@ -24,12 +24,7 @@ LAYERS = ("framework", "models", "kernels", "platforms", "examples")
 SKIPPED_DIRS = frozenset({"build", "dist", "__pycache__", ".git", ".pytest_cache"})
 
 #: path (relative to the repository root) -> (its ceiling, why it is not split yet)
-EXCEPTIONS: dict[str, tuple[int, str]] = {
-    # The scheduler's admission, preemption, chunked prefill and output assembly share
-    # the running/waiting queues and the block manager; splitting it belongs with the
-    # scheduler work, not with issue 23's clean-up.
-    "framework/engine/scheduler.py": (660, "one scheduler loop over shared queues; split with the scheduler work"),
-}
+EXCEPTIONS: dict[str, tuple[int, str]] = {}
 
 
 def _python_files(root: Path):

@@ -28,16 +28,15 @@ by the step just scheduled): `schedule()` advances it for everything it schedule
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from portaserve.framework.errors import InvalidParameterError, invalid
 
 from .block_manager import BlockManager
+from .request_queue import FcfsQueue, PriorityQueue
 from .request import Request, RequestStatus
 from .scheduler_output import (
     CachedRequestData,
@@ -64,64 +63,6 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens
     num_preemptions: int
     num_steps: int  # non-empty steps scheduled
-
-
-class _FcfsQueue:
-    """Waiting requests in arrival order; preempted ones go back to the front."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def push(self, request: Request) -> None:
-        self._q.append(request)
-
-    def push_preempted(self, request: Request) -> None:
-        self._q.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._q.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class _PriorityQueue:
-    """Waiting requests by (priority, arrival time, order added)."""
-
-    def __init__(self, key) -> None:
-        self._heap: list[tuple[tuple, Request]] = []
-        self._key = key
-
-    def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._key(request), request))
-
-    # A preempted request keeps its original key, which puts it ahead of later arrivals.
-    push_preempted = push
-
-    def peek(self) -> Request:
-        return self._heap[0][1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, request: Request) -> None:
-        self._heap = [e for e in self._heap if e[1] is not request]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[1] for e in sorted(self._heap, key=lambda e: e[0]))
 
 
 class _Step:
@@ -188,7 +129,7 @@ class Scheduler:
         self.running: list[Request] = []  # FCFS: admission order; priority: sorted by _key
         self._order: dict[str, int] = {}  # req_id -> order added, the final tie-break
         self._counter = itertools.count()
-        self.waiting = _PriorityQueue(self._key) if scheduling_policy == "priority" else _FcfsQueue()
+        self.waiting = PriorityQueue(self._key) if scheduling_policy == "priority" else FcfsQueue()
         # Told to the runner with the next non-empty step (it drops their state).
         self._finished_ids: set[str] = set()
         # EngineCoreOutputs not tied to a step (aborts), returned by the next update.
