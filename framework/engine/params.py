@@ -27,8 +27,10 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2  # nothing until the request finishes
 
 
-#: Beyond these a sampling parameter only means "uniform" (temperature) or overflows float32.
+#: Beyond these a sampling parameter only means "uniform" (temperature) or overflows float32
+#: (the repetition penalty divides positive logits: 2e-152, found by the fuzzer, made them inf).
 MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
 
 @dataclass
@@ -89,8 +91,8 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         # upper bounds too: float32 logits divided by a temperature past ~1e38 (inf) became NaN
-        check(0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
-              f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+              f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         check(0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
               f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")

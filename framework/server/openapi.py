@@ -21,7 +21,7 @@ _SAMPLING = {
     "min_p": {"minimum": 0, "maximum": 1},
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 1e4},
+    "repetition_penalty": {"minimum": 1e-4, "maximum": 1e4},
     "top_k": {"minimum": -1},
     "min_tokens": {"minimum": 0},
     "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},

@@ -290,7 +290,9 @@ def test_400_pydantic_remapped(http):
     ({"temperature": -1}, "temperature", ["[0, 10000]"]),
     # found by the fuzzer: a float32 overflow that made every logit NaN
     ({"temperature": 8.363097814439642e307}, "temperature", ["[0, 10000]"]),
-    ({"repetition_penalty": 1e300}, "repetition_penalty", ["(0, 10000]"]),
+    ({"repetition_penalty": 1e300}, "repetition_penalty", ["[0.0001, 10000]"]),
+    # found by the fuzzer: divides positive logits into inf, so nothing finite is left to sample
+    ({"repetition_penalty": 2.2898275114603206e-152, "allowed_token_ids": [5, 6]}, "repetition_penalty", ["[0.0001, 10000]"]),
     ({"seed": 2**70}, "seed", ["2^64"]),
     ({"top_p": 0}, "top_p", ["(0, 1]"]),
     ({"n": 0}, "n", [">= 1"]),
