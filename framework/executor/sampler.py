@@ -505,11 +505,15 @@ def _draw_candidates(x, k, top_k, top_p, min_p, temperature, uniforms, full_mass
         before = e.cumsum(dim=-1) - e  # mass ranked strictly above each candidate
         known = torch.zeros_like(inside) if full_mass is None else ~torch.isnan(full_mass)
         tail = torch.where(inside | known, torch.zeros_like(mass), (vocab - k) * e[:, -1])
-        num_lo = (before < (top_p * mass).view(-1, 1)).sum(dim=-1)
+        # the top token always stays: a top_p that underflows float32 (5e-324, found by the
+        # fuzzer) would otherwise keep nothing
+        top = torch.zeros_like(before, dtype=torch.bool)
+        top[:, 0] = True
+        num_lo = ((before < (top_p * mass).view(-1, 1)) | top).sum(dim=-1)
         if full_mass is not None:
             mass = torch.where(known & ~inside, full_mass, mass)
         mass = mass + tail
-        keep_p = before < (top_p * mass).view(-1, 1)
+        keep_p = (before < (top_p * mass).view(-1, 1)) | top
         num_kept = keep_p.sum(dim=-1)
         e = e * keep_p
         # exact if the cut falls inside the candidates, strictly above the last value

@@ -284,6 +284,14 @@ def test_support_and_distribution_match_reference(case):
     assert chi2 < dof + 6 * math.sqrt(2 * max(dof, 1)) + 10, (chi2, dof)
 
 
+def test_a_top_p_that_underflows_float32_keeps_the_top_token():
+    """Found by the fuzzer: top_p=5e-324 is 0 in float32, and the cut kept nothing (a 500)."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0], [2.0, 2.0, 0.0, 1.0]])
+    params = [SamplingParams(top_p=5e-324, seed=0), SamplingParams(top_p=5e-324, seed=1)]
+    out, _ = one_step(params, logits)
+    assert out.sampled_token_ids.tolist() == [1, 0]  # the top token (first on a tie)
+
+
 def test_top_p_boundary_and_tie_order():
     """Equal logits: 0.25 each. top_p=0.5 keeps the first two in canonical (id) order, as
     vLLM drops a token once the mass ranked above it reaches top_p."""
