@@ -14,6 +14,7 @@ def portaserve_quant_methods():
         "int8": "portaserve.framework.quantization.int8:Int8WeightOnlyMethod",
         "fp8": "portaserve.framework.quantization.fp8:Fp8Method",
         "compressed-tensors": "portaserve.framework.quantization.compressed_tensors:CompressedTensorsMethod",
+        "gguf": "portaserve.framework.quantization.gguf:GGUFMethod",
     }
 
 

@@ -317,12 +317,18 @@ def iter_safetensors(path: str | os.PathLike, progress: bool = True) -> Iterator
         bar.close()
 
 
-def iter_weights(path: str | os.PathLike, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) for every weight of a model folder or GGUF file, one at a time."""
+def iter_weights(
+    path: str | os.PathLike, progress: bool = True, *, keep_gguf_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every weight of a model folder or GGUF file, one at a time.
+
+    :param keep_gguf_quantized: a GGUF file's matrices as codes and scales for the "gguf"
+        QuantMethod (`framework.gguf.weights`), not dequantized.
+    """
     if is_gguf_path(path):
         from .gguf.weights import iter_gguf_weights
 
-        return iter_gguf_weights(open_gguf(path), progress=progress)
+        return iter_gguf_weights(open_gguf(path), progress=progress, keep_quantized=keep_gguf_quantized)
     return iter_safetensors(path, progress=progress)
 
 

@@ -46,6 +46,9 @@ History:
   and ``AttentionBackend.metadata_type`` and calls the ``_forward`` a backend defines (a
   1.0 backend that overrides ``forward`` itself keeps working, unchecked).
   All have defaults, so 1.0 plugins load unchanged.
+- 1.2: quantized embedding tables: ``QuantMethod.quantizes_embedding`` and
+  ``QuantMethod.embedding`` (a format that quantizes the table, GGUF, keeps it
+  quantized; the default keeps tables dense, so 1.x methods load unchanged).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "portaserve"
 #: The contract version of this portaserve: (major, minor).
-CONTRACT_VERSION = (1, 1)
+CONTRACT_VERSION = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorator for plugin hook implementations: ``@hookimpl def portaserve_platform(): ...``

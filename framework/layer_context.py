@@ -72,6 +72,12 @@ class LayerContext:
         method.platform_features = frozenset(self.plan.platform_features)
         return method
 
+    def embedding_method(self, prefix: str) -> QuantMethod | None:
+        """The plan's QuantMethod for the embedding table at `prefix` when it stores that
+        table quantized (`QuantMethod.quantizes_embedding`), else None (a dense table)."""
+        method = self.quant_method(prefix)
+        return method if method.quantizes_embedding() else None
+
     def attention_backend(self, layer_type: str) -> AttentionBackend:
         """The backend instance serving `layer_type` layers (shared by all such layers)."""
         backend = self._attention.get(layer_type)

@@ -393,12 +393,20 @@ def _choose_quantization(
         n for n in sorted(methods)
         if usable_reason(n, for_checkpoint=False) is None and getattr(methods[n], "variant_of", None) is None
     ]
+    if config.quantization is not None and checkpoint_method == "gguf" and config.quantization != "gguf":
+        # a GGUF file's blocks can be dequantized at load for any other method
+        qcfg, checkpoint_method = {}, None
     if config.quantization is not None:
         name, source = config.quantization, f"--quantization {config.quantization}"
         if checkpoint_method not in (None, "none", name):
             raise UnsupportedError(
                 f"quantization: the checkpoint is already quantized ({qcfg.get('quant_method')!r}); "
                 f"--quantization {name} cannot re-quantize it: leave --quantization unset or pass {checkpoint_method}"
+            )
+        if name == "gguf" and checkpoint_method != "gguf":
+            raise UnsupportedError(
+                "quantization: 'gguf' keeps a GGUF file's quantized blocks; this checkpoint is not a quantized "
+                "GGUF decoder file (leave --quantization unset for GGUF files)"
             )
     elif qcfg:
         name = checkpoint_method

@@ -252,6 +252,7 @@ class LlamaForCausalLM(ModelArchitecture):
         if "rotary_emb." in name:
             return None
         # A tied checkpoint may still carry a copy of the embedding as the LM head.
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        # (its scales too, where a quantized file stores them beside the codes)
+        if name.startswith("lm_head.weight") and self.config.tie_word_embeddings:
             return None
         return name

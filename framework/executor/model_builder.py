@@ -52,7 +52,10 @@ def build_model(
     # Parameters are allocated where they will live; no CPU staging copy of the model.
     with torch.device(device):
         model = arch_cls.build(hf_config, ctx)
-    model.load_weights(iter_weights(model_path, progress=(tp_rank == 0) if progress is None else progress))
+    # a GGUF file whose plan keeps it quantized ("gguf" method) loads codes and scales
+    keep_quantized = plan.quantization_config.get("quant_method") == "gguf"
+    model.load_weights(iter_weights(model_path, progress=(tp_rank == 0) if progress is None else progress,
+                                    keep_gguf_quantized=keep_quantized))
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:

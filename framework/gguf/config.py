@@ -4,7 +4,9 @@ llama.cpp's converter writes each architecture's hyperparameters under
 `{arch}.{key}` (`llama.embedding_length`, `llama.attention.head_count_kv`, ...). This
 module maps them back onto transformers' names, so a GGUF model runs through the same
 architecture classes as its HF folder. The config also carries `portaserve_gguf` (the
-file, its architecture and tensor types) for the ExecutionPlan and `/v1/models`.
+file, its architecture and tensor types) for the ExecutionPlan and `/v1/models`, and
+for a quantized decoder file a `quantization_config` naming the "gguf" QuantMethod, which
+keeps the quantized matrices quantized in memory.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 from portaserve.framework.errors import invalid
 
 from .file import GGUFFile
-from .weights import check_gguf_tensors
+from .blocks import BLOCK_TYPES
+from .weights import QUANTIZED_ARCHITECTURES, check_gguf_tensors, hf_tensor_name
 
 #: GGUF `general.architecture` -> the HF architecture class it is served by.
 ARCHITECTURES: dict[str, str] = {
@@ -55,7 +58,27 @@ def gguf_model_config(gguf: GGUFFile) -> dict[str, Any]:
         "name": gguf.get("general.name"),
         "tensor_types": gguf.tensor_types(),
     }
+    quantization = gguf_quantization_config(gguf)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     return config
+
+
+def gguf_quantization_config(gguf: GGUFFile) -> dict[str, Any] | None:
+    """`{"quant_method": "gguf", "tensor_types": {HF weight name: GGML type}}` for a decoder
+    file with quantized matrices (the plan then keeps them quantized: the "gguf"
+    QuantMethod), else None (a float file, or an encoder: dequantized at load)."""
+    arch = gguf.architecture
+    if arch not in QUANTIZED_ARCHITECTURES:
+        return None
+    types = {}
+    for tensor in gguf.tensors:
+        name = hf_tensor_name(arch, tensor.name)
+        if len(tensor.shape) == 2 and name is not None and name.endswith(".weight"):
+            types[name] = tensor.type_name
+    if not any(t in BLOCK_TYPES for t in types.values()):
+        return None
+    return {"quant_method": "gguf", "tensor_types": types}
 
 
 def describe_gguf(info: dict[str, Any]) -> str:

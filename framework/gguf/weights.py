@@ -8,8 +8,14 @@ for the `llama` architecture it permutes the rows of the Q and K projections (pa
 (i, i + d/2) of each head become adjacent, the interleaved rotary layout llama.cpp's
 kernels use), which transformers' rotate-half layout needs undone.
 
-Quantized tensors are dequantized to float32 here; the loader converts them to the
-model's dtype as it copies them into their parameters, one tensor at a time.
+Two modes. Dequantized (`keep_quantized=False`): quantized tensors become float32 here
+and the loader converts them to the model's dtype as it copies them in, one tensor at a
+time. Quantized (the "gguf" QuantMethod, `keep_quantized=True`): every matrix becomes
+`name` (uint8 codes), `name_scale` and `name_min` (float32, one per 16 weights; see
+`blocks`), exactly what the file stores; a float matrix or a type `blocks` does not
+read (Q2_K, Q3_K) is encoded to 8-bit codes with a scale and a min per 16 weights
+(asymmetric rounding: an error far below the 2-3-bit types' own). 1-D tensors (norms,
+biases) stay float either way.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import torch
 from portaserve.framework.errors import invalid
 
 from .file import GGUFFile, GGUFTensor
+
+#: GGUF architectures whose matrices can stay quantized (the decoders; BERT is dequantized).
+QUANTIZED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 #: GGML tensor types the loader dequantizes (ggml's names).
 SUPPORTED_TENSOR_TYPES = (
@@ -140,8 +149,36 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def iter_gguf_weights(gguf: GGUFFile, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) for every tensor of the file, one at a time."""
+def encode_8bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float matrix as 8-bit codes with a scale and a min per 16 weights (asymmetric)."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // 16, 16)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (high - low) / 255
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 255).to(torch.uint8)
+    return codes.reshape(rows, cols), scale, low
+
+
+def quantized_parts(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, mins) of a matrix, in torch order."""
+    from .blocks import BLOCK_TYPES, decompose
+
+    rows, cols = tensor.shape
+    if tensor.type_name in BLOCK_TYPES:
+        parts = decompose(np.asarray(tensor.data), tensor.type_name, (rows, cols))
+        return tuple(torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+    return encode_8bit(dequantize_tensor(tensor))
+
+
+def iter_gguf_weights(
+    gguf: GGUFFile, progress: bool = False, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every tensor of the file, one at a time.
+
+    :param keep_quantized: yield matrices as codes, scales and mins (see the module
+        docstring) instead of dequantizing them.
+    """
     from tqdm.auto import tqdm
 
     check_gguf_tensors(gguf)
@@ -150,10 +187,14 @@ def iter_gguf_weights(gguf: GGUFFile, progress: bool = False) -> Iterator[tuple[
     kv_heads = int(gguf.arch_key("attention.head_count_kv", heads) or heads)
     for tensor in tqdm(gguf.tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
         name = hf_tensor_name(arch, tensor.name)
-        value = dequantize_tensor(tensor)
-        if arch == "llama":
-            if ".self_attn.q_proj." in name:
-                value = unpermute_rotary_rows(value, heads)
-            elif ".self_attn.k_proj." in name:
-                value = unpermute_rotary_rows(value, kv_heads)
-        yield name, value
+        if keep_quantized and len(tensor.shape) == 2 and name.endswith(".weight"):
+            values = dict(zip((name, name + "_scale", name + "_min"), quantized_parts(tensor)))
+        else:
+            values = {name: dequantize_tensor(tensor)}
+        for out_name, value in values.items():
+            if arch == "llama":
+                if ".self_attn.q_proj." in name:
+                    value = unpermute_rotary_rows(value, heads)
+                elif ".self_attn.k_proj." in name:
+                    value = unpermute_rotary_rows(value, kv_heads)
+            yield out_name, value

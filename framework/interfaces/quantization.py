@@ -132,6 +132,24 @@ class QuantMethod(ABC):
         :returns: [..., output_size]
         """
 
+    def quantizes_embedding(self) -> bool:
+        """Whether this method also stores the embedding table at `self.prefix` (contract 1.2).
+
+        The default is False: embedding tables (and an LM head tied to one) stay dense in
+        the model dtype. A method that returns True gets `create_weights(layer,
+        input_size=embedding_dim, output_size=rows, ...)` from the embedding layer (and
+        from an untied LM head, which then multiplies through `apply`), and must
+        implement `embedding`. A format whose file quantizes the table (GGUF) uses this
+        to keep it quantized in memory.
+        """
+        return False
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([num_tokens] int64, each in [0, rows)) of the table stored on `layer`,
+        as [num_tokens, embedding_dim] in the activation dtype (contract 1.2; only called
+        when `quantizes_embedding()` is True)."""
+        raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
+
     def release_weights(self, layer: nn.Module) -> dict[str, torch.Tensor]:
         """Free the device memory of the layer's weights (`sleep(level=2)`); returns what
         `restore_weights` rebuilds them from: host (CPU) tensors by parameter name.

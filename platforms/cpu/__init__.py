@@ -34,8 +34,11 @@ def portaserve_kv_cache_allocators():
 
 @hookimpl
 def portaserve_quant_methods():
-    # the plan picks it in place of "none" (see QuantMethod.variant_of)
-    return {"onednn": "portaserve.platforms.cpu.onednn_linear:OneDnnLinearMethod"}
+    # the plan picks them in place of "none" and "gguf" (see QuantMethod.variant_of)
+    return {
+        "onednn": "portaserve.platforms.cpu.onednn_linear:OneDnnLinearMethod",
+        "gguf_cpu": "portaserve.platforms.cpu.gguf_linear:CpuGGUFMethod",
+    }
 
 
 @hookimpl

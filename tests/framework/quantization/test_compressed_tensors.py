@@ -64,7 +64,7 @@ def test_fp8_dynamic_refused_on_cpu(float_checkpoint, tmp_path):
     msg = str(err.value)
     assert "'compressed-tensors' is not available on platform cpu" in msg
     assert "group 'group_0' runs as 'fp8', which needs platform features ['fp8_matmul']" in msg
-    assert msg.endswith("methods supported there: compressed-tensors, int8, none")
+    assert msg.endswith("methods supported there: compressed-tensors, gguf, int8, none")
 
 
 def test_fp8_dynamic_matches_online_fp8(float_checkpoint, tmp_path, monkeypatch):

@@ -116,7 +116,7 @@ def test_fp8_refused_on_cpu(checkpoint):
     msg = str(err.value)
     assert "quantization: 'fp8' is not available on platform cpu" in msg
     assert "fp8_matmul" in msg
-    assert msg.endswith("methods supported there: compressed-tensors, int8, none")
+    assert msg.endswith("methods supported there: compressed-tensors, gguf, int8, none")
 
 
 def test_fp8_kv_cache_refused_on_cpu(checkpoint):
@@ -127,7 +127,7 @@ def test_fp8_kv_cache_refused_on_cpu(checkpoint):
 
 def test_unknown_method_lists_supported(checkpoint):
     folder = checkpoint("Qwen2ForCausalLM", dtype="float32")
-    with pytest.raises(UnsupportedError, match=r"'gptq' is not available on platform cpu \(not registered\); methods supported there: compressed-tensors, int8, none"):
+    with pytest.raises(UnsupportedError, match=r"'gptq' is not available on platform cpu \(not registered\); methods supported there: compressed-tensors, gguf, int8, none"):
         make_plan(folder, quantization="gptq")
 
 

@@ -1,0 +1,115 @@
+"""The CPU's GGUF matmul and embedding kernels (gguf_matmul.c) against the reference:
+`gguf.quants.dequantize` of the same blocks, then a float64 matmul. Built for this CPU
+(the AVX512-VNNI int8 path here) and portable (`-march=x86-64-v3`: the float loop), for
+every type, 4- and 8-bit packings, 16- and 32-wide groups, odd shapes and 1..130 rows."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from portaserve.framework.gguf.blocks import BLOCK_TYPES, decompose, random_blocks
+from portaserve.framework.quantization.gguf_layout import pack, reference_matmul, unpack
+from portaserve.platforms.cpu import native
+from portaserve.platforms.cpu.gguf_linear import gguf_matmul
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="no C compiler: the C kernels cannot be built")
+
+
+def _variants():
+    return ["native", "x86-64-v3"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
+
+
+@pytest.fixture(scope="module", params=_variants())
+def kernels(request):
+    return native.build(request.param)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+# int8 activations (VNNI) cost ~0.5%; bf16 outputs add their rounding
+TOL = {torch.float32: 1e-2, torch.bfloat16: 1.5e-2, torch.float16: 1e-2}
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
+def test_every_type_matches_gguf_dequantize_then_matmul(kernels, type_name):
+    rng = np.random.default_rng(3)
+    per_block = BLOCK_TYPES[type_name][0]
+    n, k = 37, per_block * (3 if per_block == 32 else 2)  # odd row count; K not a multiple of 64 for 32-blocks
+    raw = random_blocks(type_name, n, k, rng)
+    weight = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k).astype(np.float64))
+    packed = pack(*(torch.from_numpy(p) for p in decompose(raw, type_name, (n, k))))
+    assert packed.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert packed.group == (16 if type_name == "Q6_K" else 32)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    for m in (1, 4, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float64)
+        ref = x @ weight.T + bias.double()
+        for dtype in (torch.float32, torch.bfloat16):
+            out = gguf_matmul(kernels, x.to(dtype), packed, bias)
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert rel(out, ref) < TOL[dtype], (type_name, m, dtype, rel(out, ref))
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 16), (8, 32), (8, 16)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 576), (3, 7, 96), (130, 33, 160), (2, 64, 32)])
+def test_packings_and_shapes(kernels, bits, group, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    top = 16 if bits == 4 else 256
+    codes = torch.randint(0, top, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.002).repeat_interleave(group // 16, dim=1)
+    mins = (-scales * top / 2 * torch.rand(n, k // group, generator=gen).repeat_interleave(group // 16, dim=1))
+    packed = pack(codes, scales, mins)
+    assert (packed.bits, packed.group) == (bits, group)
+    x = torch.randn(m, k, generator=gen)
+    ref = reference_matmul(x, packed)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert rel(gguf_matmul(kernels, x.to(dtype), packed, None), ref) < TOL[dtype]
+    # a strided view of rows (the model passes slices) reads the same
+    wide = torch.randn(m, k + 32, generator=gen)
+    assert rel(gguf_matmul(kernels, wide[:, :k], packed, None), reference_matmul(wide[:, :k], packed)) < TOL[torch.float32]
+
+
+def test_the_portable_build_computes_in_float(kernels):
+    """Without VNNI the kernel reads x in float: exact up to float32 sums."""
+    gen = torch.Generator().manual_seed(0)
+    packed = pack(torch.randint(0, 16, (16, 64), generator=gen, dtype=torch.uint8),
+                  torch.full((16, 4), 0.01), torch.full((16, 4), -0.08))
+    x = torch.randn(3, 64, generator=gen)
+    err = rel(gguf_matmul(kernels, x, packed, None), reference_matmul(x, packed))
+    assert err < (1e-2 if kernels.gguf_vnni() else 1e-6)
+
+
+def test_embedding_rows_dequantize_exactly(kernels):
+    rng = np.random.default_rng(0)
+    raw = random_blocks("Q8_0", 50, 96, rng)
+    packed = pack(*(torch.from_numpy(p) for p in decompose(raw, "Q8_0", (50, 96))))
+    table = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0).reshape(50, 96))
+    ids = torch.tensor([0, 49, 7, 7, 13])
+    out = torch.empty(5, 96)
+    assert kernels.gguf_embedding(ids.data_ptr(), 5, packed.qweight.data_ptr(), packed.bits, packed.group,
+                                  packed.scales.data_ptr(), packed.mins.data_ptr(), 50, 96, out.data_ptr(), 0) == 0
+    torch.testing.assert_close(out, table[ids], rtol=1e-3, atol=1e-6)  # the scales are float16, as in the file
+    bad = torch.tensor([50])
+    assert kernels.gguf_embedding(bad.data_ptr(), 1, packed.qweight.data_ptr(), packed.bits, packed.group,
+                                  packed.scales.data_ptr(), packed.mins.data_ptr(), 50, 96, out.data_ptr(), 0) == -1
+
+
+def test_pack_unpack_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    for top, pairs in ((16, True), (16, False), (64, True), (256, False)):
+        codes = torch.randint(0, top, (5, 96), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(5, 6, generator=gen).half().float()
+        mins = -torch.rand(5, 6, generator=gen).half().float()
+        if pairs:
+            scales[:, 1::2], mins[:, 1::2] = scales[:, 0::2], mins[:, 0::2]
+        packed = pack(codes, scales, mins)
+        assert packed.group == (32 if pairs else 16) and packed.bits == (4 if top == 16 else 8)
+        back = unpack(packed)
+        assert torch.equal(back[0], codes) and torch.equal(back[1], scales) and torch.equal(back[2], mins)
