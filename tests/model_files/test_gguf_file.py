@@ -186,3 +186,44 @@ def test_token_types_control_user_defined_unused_and_eog(tmp_path):
     assert tok.is_special(im_end) and not tok.is_special(call) and not tok.is_special(pad)
     assert im_end in tok.eos_token_ids  # llama.cpp's end-of-generation texts
     assert tok.encode("[PAD7]", add_special_tokens=False) != [pad]  # an unused token is not matched in text
+
+
+def test_the_fast_metadata_reader_reads_what_ggufs_own_reader_reads(tmp_path):
+    # open_gguf parses arrays in one pass (file.py); every field must read the same as with
+    # the gguf package's GGUFReader: strings (non-ASCII too), numbers, bools, empty and
+    # nested arrays, whole and by index.
+    from gguf import GGUFReader
+
+    from portaserve.framework.gguf.file import _reader_class
+
+    file = tmp_path / "fields.gguf"
+    writer = GGUFWriter(str(file), "llama")
+    tokens, types, merges = tiny_vocab()
+    add_bpe_vocab(writer, tokens + ["", "é✓ 日本"], types + [1, 1], merges)
+    writer.add_array("test.floats", [0.5, -1.25, 3.0])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_array("test.empty_strings", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("test.string", "plain")
+    writer.add_uint32("test.scalar", 7)
+    finish(writer)
+    fast, plain = _reader_class()(str(file)), GGUFReader(str(file))
+    assert list(fast.fields) == list(plain.fields) and fast.data_offset == plain.data_offset
+    for key, field in plain.fields.items():
+        mine = fast.fields[key]
+        assert mine.types == field.types and mine.data == field.data and len(mine.parts) == len(field.parts), key
+        assert mine.contents() == field.contents(), key
+        if field.data and field.types[0].name == "ARRAY" and field.types[-1].name != "ARRAY":
+            assert mine.contents(-1) == field.contents(-1) and mine.contents(slice(1, 3)) == field.contents(slice(1, 3))
+    assert open_gguf(file).get_array("tokenizer.ggml.tokens")[-2:] == ["", "é✓ 日本"]
+
+
+def test_a_string_array_cut_short_is_a_corrupt_file(tmp_path):
+    tokens, types, merges = tiny_vocab()
+    file = write_vocab(tmp_path / "vocab.gguf", tokens, types, merges, pre="gpt-2")
+    data = file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: data.index("hell".encode()) + 2])  # inside the token list
+    with pytest.raises(InvalidParameterError, match="truncated or corrupt") as err:
+        open_gguf(cut)
+    assert str(cut) in str(err.value)
