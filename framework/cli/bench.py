@@ -36,9 +36,10 @@ def _lazy_arguments(target: str) -> Callable[[argparse.ArgumentParser], None]:
     """Options defined next to the benchmark (imported when the CLI is built; cheap modules)."""
 
     def add(p: argparse.ArgumentParser) -> None:
-        from portaserve.framework.plugins import import_object
+        import importlib  # not plugins.import_object: that module loads torch, and `portaserve --help` needs none
 
-        import_object(target)(p)
+        module, _, attr = target.partition(":")
+        getattr(importlib.import_module(module), attr)(p)
 
     return add
 

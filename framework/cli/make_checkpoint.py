@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 from portaserve.framework.errors import invalid
-from portaserve.framework.plugins import get_registry
 
 SIZES = ("tiny", "small", "bench")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,6 +34,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from portaserve.framework.plugins import get_registry  # torch: only for this command
+
     registry = get_registry()
     known = registry.names("checkpoint_writers")
     if args.arch not in known:

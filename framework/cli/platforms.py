@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from portaserve.framework.plugins import PluginRecord, PluginRegistry, env_flag, load_plugins
+if TYPE_CHECKING:  # torch and the plugins load when the command runs, not for `portaserve --help`
+    from portaserve.framework.plugins import PluginRecord, PluginRegistry
 
 
 def add_parser(subparsers) -> None:
@@ -37,6 +36,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from portaserve.framework.plugins import env_flag, load_plugins
+
     registry = load_plugins(strict=False)
     doc = collect(registry, args.device)
     strict = args.strict_plugins or (args.strict_plugins is None and env_flag("PORTASERVE_STRICT_PLUGINS"))
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(registry: PluginRegistry, device: str | None = None) -> dict[str, Any]:
     """Everything `portaserve platforms` shows, as plain JSON-able data."""
+    import torch
+
     from portaserve import __version__
     from portaserve.framework import hookspecs
     from portaserve.framework.selection import probe_all, requested_device

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from portaserve.framework.engine.params import PoolingParams, SamplingParams
 from portaserve.framework.engine.request import Request
-from portaserve.framework.engine.startup import EngineSpec
 from portaserve.framework.errors import InvalidParameterError, invalid
+
+if TYPE_CHECKING:  # the plan (and torch) are not needed to validate requests
+    from portaserve.framework.engine.startup import EngineSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from typing import TYPE_CHECKING, Any
 
 from portaserve.framework.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+
+if TYPE_CHECKING:  # fastapi is imported where it is used: `serve` validates its flags without it
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
 
 logger = logging.getLogger("portaserve.server")
 
@@ -56,6 +56,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    from fastapi.responses import JSONResponse
+
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
@@ -102,6 +104,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_exception_handlers(app: FastAPI) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc)

@@ -52,14 +52,16 @@ class ServerSettings:
 
     def check(self) -> None:
         """Fail before anything starts when the parser flags do not fit together."""
-        from portaserve.framework.server.parsers import get_reasoning_parser, get_tool_parser
-
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise invalid("enable_auto_tool_choice", "needs --tool-call-parser NAME (the format the model writes calls in)")
-        if self.tool_call_parser:
-            get_tool_parser(self.tool_call_parser, self.registry)
-        if self.reasoning_parser:
-            get_reasoning_parser(self.reasoning_parser, self.registry)
+        if self.tool_call_parser or self.reasoning_parser:
+            # the parser registry loads the plugins (and torch): only when a parser is named
+            from portaserve.framework.server.parsers import get_reasoning_parser, get_tool_parser
+
+            if self.tool_call_parser:
+                get_tool_parser(self.tool_call_parser, self.registry)
+            if self.reasoning_parser:
+                get_reasoning_parser(self.reasoning_parser, self.registry)
         if self.max_request_body_bytes < 1:
             raise invalid("max_request_body_bytes", f"must be >= 1, got {self.max_request_body_bytes}")
 
