@@ -1,7 +1,8 @@
 """`AsyncLLM`: the async engine client the server uses.
 
 It resolves the engine (plugins, platform, plan) in this process, starts the engine
-core in a spawned process (`core_process`), and keeps the front end here: input
+core in a spawned process (`core_process`; or takes the one an `EngineCoreLauncher`
+started earlier), and keeps the front end here: input
 processing, detokenization, stop strings and per-request output queues. A dead engine
 process fails every in-flight request with `EngineDeadError` at once and turns health
 unhealthy; nothing waits forever.
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from portaserve.framework.config import EngineConfig
 from portaserve.framework.engine.llm_engine import load_tokenizer
@@ -48,6 +49,9 @@ from .core_messages import (
 from .scheduler import SchedulerStats
 from .scheduler_output import EngineCoreOutput
 
+if TYPE_CHECKING:
+    from .core_process import EngineCoreLauncher
+
 logger = logging.getLogger("portaserve")
 
 #: Called once per engine step with the step's scheduler stats and its outputs.
@@ -57,9 +61,13 @@ StatsListener = Callable[[SchedulerStats, list[EngineCoreOutput]], None]
 class AsyncLLM:
     """Async generate / encode / abort against an engine core in another process."""
 
-    def __init__(self, config: EngineConfig, spec: EngineSpec | None = None) -> None:
+    def __init__(self, config: EngineConfig, spec: EngineSpec | None = None, *,
+                 launcher: EngineCoreLauncher | None = None) -> None:
+        """`launcher`: an engine-core process already started (`portaserve serve` starts it
+        before resolving the plan); None: `start()` spawns one."""
         self.config = config
         self.spec = spec or resolve_engine(config)
+        self._launcher = launcher
         self.tokenizer = load_tokenizer(self.spec)
         self.processor = InputProcessor(self.spec, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -76,14 +84,17 @@ class AsyncLLM:
         self._reader: asyncio.Task | None = None
         self._ready_event: asyncio.Event | None = None
         self._stats_listeners: list[StatsListener] = []
-        self._ipc_dir = tempfile.mkdtemp(prefix="portaserve-ipc-")
-        self._in_addr = f"ipc://{os.path.join(self._ipc_dir, 'in')}"
-        self._out_addr = f"ipc://{os.path.join(self._ipc_dir, 'out')}"
+        if launcher is not None:
+            self._ipc_dir, self._in_addr, self._out_addr = launcher.ipc_dir, launcher.input_addr, launcher.output_addr
+        else:
+            self._ipc_dir = tempfile.mkdtemp(prefix="portaserve-ipc-")
+            self._in_addr = f"ipc://{os.path.join(self._ipc_dir, 'in')}"
+            self._out_addr = f"ipc://{os.path.join(self._ipc_dir, 'out')}"
 
     # ----- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the engine core and wait until it has loaded the model."""
+        """Start the engine core (or take the launcher's) and wait until it has loaded the model."""
         import zmq
         import zmq.asyncio
 
@@ -96,11 +107,16 @@ class AsyncLLM:
         self._from_core = self._zctx.socket(zmq.PULL)
         self._from_core.bind(self._out_addr)
         self._ready_event = asyncio.Event()
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            target=run_engine_core, args=(self.spec, self._in_addr, self._out_addr), name="portaserve-engine-core", daemon=True
-        )
-        self._proc.start()
+        if self._launcher is not None:
+            self._launcher.send(self.spec)  # a no-op when the driver has sent it already
+            self._proc = self._launcher.proc
+        else:
+            mp = multiprocessing.get_context("spawn")
+            self._proc = mp.Process(
+                target=run_engine_core, args=(self.spec, self._in_addr, self._out_addr), name="portaserve-engine-core",
+                daemon=True,
+            )
+            self._proc.start()
         self._reader = asyncio.create_task(self._read_outputs())
         threading.Thread(target=self._watch_process, name="portaserve-engine-watch", daemon=True).start()
         await self._ready_event.wait()

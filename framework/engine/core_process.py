@@ -6,16 +6,25 @@ process parses requests and streams the previous step's tokens. Messages travel 
 two ZeroMQ sockets (PUSH/PULL, ipc:// in a private temporary folder): requests in,
 outputs out. They are the typed messages of core_messages.py (msgspec, never pickle):
 a payload that is not one of them is logged and dropped, never run.
+
+`portaserve serve` starts this process before it has a plan (`EngineCoreLauncher`): while
+the driver imports torch, loads the plugins and resolves the ExecutionPlan, this process
+does the same imports; the plan then arrives over a pipe and the engine is built at
+once. The plan is still resolved once, in the driver.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import tempfile
+import threading
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from portaserve.framework.wire import WireError, decode, encode
@@ -49,14 +58,21 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    # No cyclic GC while the engine is built: imports and the weights create millions of
+    # objects, and the collections they trigger were a quarter of torch's import and
+    # most of reading a GGUF vocabulary. It is back on before the first request.
+    gc.disable()
     # The client starts this process as a daemon (it dies with the client), and
     # multiprocessing forbids a daemon to start processes; tensor-parallel workers are
     # children of this process, so it must not count as one from the inside.
     multiprocessing.current_process()._config["daemon"] = False
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
+    # A launched core may connect before the front end has bound (it retries): soon.
+    inbox.setsockopt(zmq.RECONNECT_IVL, 10)
     inbox.connect(input_addr)
     outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.RECONNECT_IVL, 10)
     outbox.connect(output_addr)
     outbox.setsockopt(zmq.LINGER, 2000)
 
@@ -73,6 +89,7 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
         ctx.term()
         sys.exit(1)
     send(encode(Ready(core.num_blocks, os.getpid())))
+    gc.enable()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     deferred: list[CallCore] = []  # DRAINING_METHODS calls waiting for the running requests
@@ -146,3 +163,103 @@ def _handle(core: Any, msg: Any, send) -> None:
             send(encode(Result(msg.call_id, False, error=error_info(exc))))
 
 
+
+
+# ----- starting the process before the plan ------------------------------------------------
+
+
+def start_method() -> str:
+    """How to start the engine process: "fork" where that copies nothing that could be
+    inconsistent in the child (Linux, and this process still has a single thread: no
+    thread pool, device runtime or lock held by another thread), else "spawn"."""
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        threads = threading.active_count()
+    return "fork" if threads == 1 else "spawn"
+
+
+class EngineCoreLauncher:
+    """The engine-core process, started before the driver resolves the plan.
+
+    Start it as early as possible (the driver has parsed its flags and nothing else),
+    then `send(spec)` once the plan is resolved, or `cancel()` when the driver stops
+    before that. Until the spec arrives the process only imports what every engine needs
+    (torch, the plugins, the executor); it never chooses a platform or a plan itself.
+    The spec goes over a one-way pipe to this child only, as `spawn` sends its arguments.
+    """
+
+    def __init__(self) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="portaserve-ipc-")
+        self.input_addr = f"ipc://{os.path.join(self.ipc_dir, 'in')}"
+        self.output_addr = f"ipc://{os.path.join(self.ipc_dir, 'out')}"
+        self.start_method = start_method()
+        ctx = multiprocessing.get_context(self.start_method)
+        reader, self._writer = ctx.Pipe(duplex=False)
+        self._done = False
+        self.proc = ctx.Process(
+            target=_launched_engine_core, args=(reader, self.input_addr, self.output_addr),
+            name="portaserve-engine-core", daemon=True,
+        )
+        self.proc.start()
+        reader.close()
+
+    @property
+    def sent(self) -> bool:
+        """The spec was sent, or the launch cancelled: the pipe is done with."""
+        return self._done
+
+    def send(self, spec: Any) -> None:
+        """Hand the resolved EngineSpec to the process: it builds the engine from here on."""
+        if self._done:
+            return
+        self._done = True
+        data = ForkingPickler.dumps(spec)
+        # A thread writes it: a spec larger than the pipe's buffer would otherwise hold the
+        # driver until the process has finished its imports and reads.
+        threading.Thread(target=self._write, args=(data,), name="portaserve-send-spec", daemon=True).start()
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._writer.send_bytes(data)
+        except OSError:  # it died already; the client's watcher reports the exit
+            pass
+        finally:
+            self._writer.close()
+
+    def cancel(self) -> None:
+        """The driver stops before a plan: the process sees the pipe close and exits."""
+        if not self._done:
+            self._done = True
+            self._writer.close()
+
+
+def _preload() -> None:
+    """What building any engine imports, done while the driver resolves the plan."""
+    try:
+        import torch  # noqa: F401
+
+        from portaserve.framework.engine import core  # noqa: F401
+        from portaserve.framework.executor import worker  # noqa: F401
+        from portaserve.framework.plugins import get_registry
+
+        get_registry(strict=False)  # strictness is checked when the engine is built
+    except Exception:  # the engine reports any of it when it is built for real
+        pass
+
+
+def _launched_engine_core(conn: Any, input_addr: str, output_addr: str) -> None:
+    """Process entry point of `EngineCoreLauncher`: preload, wait for the spec, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    gc.disable()  # until the engine is ready (run_engine_core)
+    if not conn.poll():  # nothing yet: neither the spec nor the driver's cancel
+        _preload()
+    try:
+        spec = ForkingPickler.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return  # the driver stopped before its plan and reports why
+    finally:
+        conn.close()
+    run_engine_core(spec, input_addr, output_addr)
