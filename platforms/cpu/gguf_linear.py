@@ -62,14 +62,36 @@ class CpuGGUFMethod(GGUFMethod):
 
     def _prepare(self, layer: nn.Module, packed: PackedGGUF) -> None:
         self._kernels = native.load()  # None: the framework's torch path (logged by native)
+        # A decode step calls ~120 of these for one token: everything that does not change
+        # per call (pointers, sizes, the float32 bias) is computed once here.
+        n, k = packed.shape
+        self._fixed = (k, packed.qweight.data_ptr(), packed.bits, packed.group, packed.scales.data_ptr(),
+                       packed.mins.data_ptr(), n)
+        self._bias = None if layer.bias is None else layer.bias.data.float().contiguous()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kernels = getattr(self, "_kernels", None)
         if kernels is None or x.device.type != "cpu" or x.dtype not in _DTYPES:
             return super().apply(layer, x, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        y = gguf_matmul(kernels, x2, packed_of(layer), bias)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        k, w, bits, group, scales, mins, n = self._fixed
+        y = torch.empty(m, n, dtype=x.dtype)
+        if m:
+            if bias is None:
+                b = None
+            elif bias is layer.bias and self._bias is not None:
+                b = self._bias
+            else:
+                b = bias.float().contiguous()
+            code = _DTYPES[x.dtype]
+            rc = kernels.gguf_matmul(x2.data_ptr(), x2.stride(0), code, m, k, w, bits, group, scales, mins, n,
+                                     None if b is None else b.data_ptr(), y.data_ptr(), n, code, torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError(f"{self.prefix}: ps_gguf_matmul failed ({rc}) for x {tuple(x2.shape)}")
+        return y.reshape(*x.shape[:-1], n)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         kernels = getattr(self, "_kernels", None)
