@@ -48,7 +48,7 @@ def build_model(
     hf_config = load_hf_config(model_path)
     arch_cls = plan.model_class(registry)
     ctx = LayerContext.from_plan(plan, registry, device, tp_rank, tp_size, communicator)
-    start = time.perf_counter()
+    start, rss_before = time.perf_counter(), _resident_bytes()
     # Parameters are allocated where they will live; no CPU staging copy of the model.
     with torch.device(device):
         model = arch_cls.build(hf_config, ctx)
@@ -63,14 +63,45 @@ def build_model(
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
+    _release_loading_memory(model_path)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rss_growth = _resident_bytes() - rss_before
     logger.info(
-        "loaded %s (%s, %.1f MiB on rank %d/%d) in %.2fs",
+        "loaded %s (%s, %.1f MiB on rank %d/%d; process RSS +%.1f MiB) in %.2fs",
         plan.model_architecture.name,
         plan.dtype,
         num_bytes / 2**20,
         tp_rank,
         tp_size,
+        rss_growth / 2**20,
         time.perf_counter() - start,
     )
+    model.load_stats = {"weight_bytes": num_bytes, "rss_growth_bytes": rss_growth}
     return model
+
+
+def _release_loading_memory(model_path: str | os.PathLike) -> None:
+    """Give back what loading used and the model does not keep: a GGUF file's cached
+    reader and mapped pages, and the heap pages the checkpoint-layout tensors freed (a
+    quantized model loads codes at a byte a weight, then packs them; glibc keeps the
+    freed heap pages unless asked)."""
+    from portaserve.framework.gguf.file import is_gguf_path, release_gguf
+
+    if is_gguf_path(model_path):
+        release_gguf(model_path)
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -11,6 +11,7 @@ the config, the tokenizer and the weights of one engine all come from the same f
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import sys
@@ -208,6 +209,28 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     with _cache_lock:
         _cache[str(file)] = (key, gguf)
     return gguf
+
+
+def release_gguf(path: str | os.PathLike) -> None:
+    """Forget the cached open file and drop its pages from this process's memory.
+
+    The engine calls it once the weights are loaded: the reader's parsed metadata (a
+    vocabulary's strings) and the file pages the loader touched would otherwise stay
+    resident, about the file's size again. A later `open_gguf` reads the file anew.
+    """
+    file = Path(path).expanduser().resolve()
+    with _cache_lock:
+        hit = _cache.pop(str(file), None)
+    if hit is None:
+        return
+    mapping = getattr(hit[1]._reader.data, "_mmap", None)
+    advise = getattr(mapping, "madvise", None)
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
+    if advise is not None and dontneed is not None:
+        try:
+            advise(dontneed)  # file-backed pages: dropped here, still in the page cache
+        except (OSError, ValueError):
+            pass
 
 
 def _check_tensor_in_bounds(file: Path, size: int, reader: Any, tensor: GGUFTensor) -> None:

@@ -92,11 +92,21 @@ def test_converted_gguf_generates_like_transformers(folders, convert, arch, outt
 
 
 def test_an_engine_serving_a_gguf_takes_weight_updates_from_the_hf_folder(folders, convert):
-    """Live weight updates check names and shapes against the GGUF's tensors (under HF names)."""
+    """Live weight updates check names and shapes against the GGUF's tensors (under HF names).
+
+    Float updates need float parameters: the file is served dequantized
+    (`quantization="none"`); its quantized path holds codes, and an update of float
+    tensors into them is refused naming the tensor (below)."""
     from transformers import AutoModelForCausalLM
 
     folder = folders["LlamaForCausalLM"]
-    llm = LLM(str(convert(folder, "q8_0")), dtype="float32", num_gpu_blocks_override=64)
+    quantized = LLM(str(convert(folder, "q8_0")), dtype="float32", num_gpu_blocks_override=64)
+    try:
+        with pytest.raises(Exception, match=r"tensor '[\w.]+': checkpoint tensor has dtype torch.float32, the parameter is torch.uint8"):
+            quantized.update_weights(str(folder))
+    finally:
+        quantized.shutdown()
+    llm = LLM(str(convert(folder, "q8_0")), dtype="float32", quantization="none", num_gpu_blocks_override=64)
     try:
         assert llm.update_weights(str(folder))["weights_version"] == 1
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
