@@ -60,7 +60,9 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     # No cyclic GC while the engine is built: imports and the weights create millions of
     # objects, and the collections they trigger were a quarter of torch's import and
-    # most of reading a GGUF vocabulary. It is back on before the first request.
+    # most of reading a GGUF vocabulary. It is back on before the first request, with what
+    # the start left frozen (never scanned: the first collection would be a full one
+    # through all of it, 0.2-0.4 s, and finds a few thousand small objects to free).
     gc.disable()
     # The client starts this process as a daemon (it dies with the client), and
     # multiprocessing forbids a daemon to start processes; tensor-parallel workers are
@@ -89,6 +91,7 @@ def run_engine_core(spec: Any, input_addr: str, output_addr: str) -> None:
         ctx.term()
         sys.exit(1)
     send(encode(Ready(core.num_blocks, os.getpid())))
+    gc.freeze()
     gc.enable()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -191,7 +194,9 @@ class EngineCoreLauncher:
     The spec goes over a one-way pipe to this child only, as `spawn` sends its arguments.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any = None) -> None:
+        """`config`: the EngineConfig, whose model file (a local GGUF file) the process opens
+        while it waits, as the loader will (the open file is cached per process)."""
         self.ipc_dir = tempfile.mkdtemp(prefix="portaserve-ipc-")
         self.input_addr = f"ipc://{os.path.join(self.ipc_dir, 'in')}"
         self.output_addr = f"ipc://{os.path.join(self.ipc_dir, 'out')}"
@@ -200,7 +205,7 @@ class EngineCoreLauncher:
         reader, self._writer = ctx.Pipe(duplex=False)
         self._done = False
         self.proc = ctx.Process(
-            target=_launched_engine_core, args=(reader, self.input_addr, self.output_addr),
+            target=_launched_engine_core, args=(reader, self.input_addr, self.output_addr, config),
             name="portaserve-engine-core", daemon=True,
         )
         self.proc.start()
@@ -236,8 +241,9 @@ class EngineCoreLauncher:
             self._writer.close()
 
 
-def _preload() -> None:
-    """What building any engine imports, done while the driver resolves the plan."""
+def _preload(config: Any, conn: Any) -> None:
+    """What building any engine imports, done while the driver resolves the plan; then,
+    if the plan is still to come, the model's GGUF file opened (a local file only)."""
     try:
         import torch  # noqa: F401
 
@@ -246,16 +252,26 @@ def _preload() -> None:
         from portaserve.framework.plugins import get_registry
 
         get_registry(strict=False)  # strictness is checked when the engine is built
+        if config is None or conn.poll():
+            return
+        from pathlib import Path
+
+        from portaserve.framework.checkpoint import default_model_file
+        from portaserve.framework.gguf import is_gguf_path, open_gguf
+
+        path = default_model_file() if config.model is None else Path(config.model).expanduser()
+        if path is not None and is_gguf_path(path):
+            open_gguf(path)
     except Exception:  # the engine reports any of it when it is built for real
         pass
 
 
-def _launched_engine_core(conn: Any, input_addr: str, output_addr: str) -> None:
+def _launched_engine_core(conn: Any, input_addr: str, output_addr: str, config: Any = None) -> None:
     """Process entry point of `EngineCoreLauncher`: preload, wait for the spec, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     gc.disable()  # until the engine is ready (run_engine_core)
     if not conn.poll():  # nothing yet: neither the spec nor the driver's cancel
-        _preload()
+        _preload(config, conn)
     try:
         spec = ForkingPickler.loads(conn.recv_bytes())
     except (EOFError, OSError):

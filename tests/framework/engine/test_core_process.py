@@ -25,7 +25,7 @@ def test_serve_starts_the_engine_process_before_importing_torch_or_fastapi():
         import os, sys
         from portaserve.framework.engine import core_process
 
-        def launched(self):
+        def launched(self, *args, **kwargs):
             heavy = sorted(m for m in ("torch", "fastapi", "transformers", "numpy") if m in sys.modules)
             print("heavy:", ",".join(heavy) or "none", "start:", core_process.start_method(), flush=True)
             os._exit(0)
