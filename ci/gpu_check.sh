@@ -17,7 +17,7 @@
 #   2. kit     the conformance kit on cuda (pytest --pyargs portaserve.framework.testing
 #              --platform cuda; --allow-single-device where the kit has it and one GPU is
 #              visible: NCCL ranks cannot share a GPU)
-#   3. triton  tests/kernels/test_triton_kernels.py and test_triton_backend.py compiled on the
+#   3. triton  tests/kernels/test_triton_kernels.py, test_triton_backend.py and test_gguf_matmul.py compiled on the
 #              GPU (TRITON_INTERPRET unset, PORTASERVE_TRITON_TEST_DEVICE=cuda): every
 #              kernel against its torch reference, the whole grid
 #   4. parity  tiny random-weight checkpoints (Qwen2, Llama, Qwen3) generated greedily by
@@ -318,7 +318,7 @@ step_triton() {
     fi
     echo "PORTASERVE_TRITON_TEST_DEVICE=$DEVICE, TRITON_INTERPRET unset (the tests set it themselves on cpu)"
     env -u TRITON_INTERPRET PORTASERVE_TRITON_TEST_DEVICE="$DEVICE" \
-        "$PY" -m pytest "${args[@]}" tests/kernels/test_triton_kernels.py tests/kernels/test_triton_backend.py
+        "$PY" -m pytest "${args[@]}" tests/kernels/test_triton_kernels.py tests/kernels/test_triton_backend.py tests/kernels/test_gguf_matmul.py
 }
 
 step_parity() {
