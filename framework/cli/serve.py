@@ -344,13 +344,15 @@ def _start(args: argparse.Namespace, config: Any, restore_gc: Any) -> Any:
     engine factory calls `restore_gc` once the engine has started or failed)."""
     import asyncio
 
-    from portaserve.framework.engine.core_process import EngineCoreLauncher
+    from portaserve.framework.engine.core_process import EngineCoreLauncher, import_torch_before_fork
 
     settings = server_settings(args)
     settings.check()
     check_logits_processors(config.logits_processors)
-    # The engine process starts now, before this one imports torch or resolves the plan:
-    # it does the same imports meanwhile, then builds the engine from the plan sent below.
+    # The engine process starts now, before this one loads the plugins or resolves the plan
+    # (and before its own server imports): it imports the engine meanwhile, then builds it
+    # from the plan sent below. Both need torch: imported first, the fork inherits it.
+    import_torch_before_fork()
     launcher = EngineCoreLauncher(config)
     try:
         from portaserve.framework.engine.startup import resolve_engine
