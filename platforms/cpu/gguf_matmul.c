@@ -8,10 +8,10 @@
  *   scales, mins: float16 [N, K / group].
  *
  * The AVX512-VNNI path (llama.cpp's approach) quantizes each row of x to int8 with one
- * scale per 16 values, in the order the weight bytes pair with, and multiplies unsigned
+ * scale per block of 32 values (as llama.cpp's Q8 activations), in the order the weight bytes pair with, and multiplies unsigned
  * codes by signed activations with vpdpbusd (4 products per 32-bit lane), so a weight
  * byte is unpacked once per tile of up to 4 rows of x and costs no float work:
- *   y[m, n] = sum_g scale[n, g] * sum_{i in g} code_i * xs16 * xq_i  +  min[n, g] * sum_{i in g} x_i
+ *   y[m, n] = sum_g scale[n, g] * sum_{i in g} code_i * xs32 * xq_i  +  min[n, g] * sum_{i in g} x_i
  * The second term sums the int8-rounded x, so the result is exactly the matmul of the
  * rounded activations (llama.cpp's Q8_1 sums do the same). Without VNNI (or without AVX-512) a
  * plain float loop computes the same sum from x itself.
@@ -79,37 +79,47 @@ static float dot_plain(const float *xf, const uint8_t *w, const uint16_t *sc, in
 #if PS_VNNI
 /* ----- the VNNI path ------------------------------------------------------------------ */
 
-/* x8 position of weight k (the order weight bytes pair with): bits 8 keep k; bits 4 put,
- * in each 64 weights, [0..16) [32..48) then [16..32) [48..64) (a last run of 32: as is). */
+/* x8 position of weight k, the order weight bytes pair with. Bits 8: k itself. Bits 4: x
+ * is cut into chunks of 4 blocks of 32 (then a chunk of 2 and one of 1 at the end, as K
+ * allows); a chunk lists the first 16 values of each of its blocks, then the last 16 of
+ * each, so one load of weight bytes and its low (high) nibbles meet one load of x. */
 static inline int64_t kernel_pos(int64_t k, int64_t K, int bits) {
     if (bits == 8) return k;
-    int64_t base = k & ~(int64_t)63, r = k & 63;
-    if (base + 64 > K) return k; /* the trailing 32 */
-    int64_t blk = r >> 5, j = r & 31;
-    return base + (j < 16 ? blk * 16 + j : 32 + blk * 16 + (j - 16));
-}
-
-/* One row of x -> int8 in kernel order with a scale per 16 (xs16, also in kernel order). */
-static void quantize_row(const float *xf, int64_t K, int bits, int8_t *xq, float *xs16, float *tmp) {
-    for (int64_t k = 0; k < K; k++) tmp[kernel_pos(k, K, bits)] = xf[k];
-    for (int64_t g = 0; g < K / 16; g++) {
-        __m512 v = _mm512_loadu_ps(tmp + g * 16);
-        float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        xs16[g] = d;
-        __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(id)),
-                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        _mm_storeu_si128((__m128i *)(xq + g * 16), _mm512_cvtsepi32_epi8(q));
+    int64_t c0 = k & ~(int64_t)127, blocks = 4;
+    if (c0 + 128 > K) { /* the tail: a chunk of 2 blocks, then one of 1 */
+        int64_t rest = K - c0;
+        if (rest >= 64 && k < c0 + 64) blocks = 2;
+        else if (rest >= 64) { c0 += 64; blocks = 1; }
+        else blocks = 1;
     }
+    int64_t r = k - c0, blk = r >> 5, j = r & 31;
+    return c0 + (j < 16 ? blk * 16 + j : blocks * 16 + blk * 16 + (j - 16));
 }
 
-static inline __m256 expand2(const float *p) { /* lanes 0-3 p[0], lanes 4-7 p[1] */
-    return _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_castps128_ps256(_mm_loadu_ps(p)));
+/* One row of x -> int8 in kernel order with one scale per block of 32 values (xs32). */
+static void quantize_row(const float *xf, int64_t K, int bits, int8_t *xq, float *xs32, float *tmp) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m512 v0 = _mm512_loadu_ps(xf + b * 32), v1 = _mm512_loadu_ps(xf + b * 32 + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs32[b] = amax / 127.0f;
+        __m512 s = _mm512_set1_ps(id);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, s)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, s));
+        _mm_storeu_si128((__m128i *)(tmp + b * 8), _mm512_cvtsepi32_epi8(q0)); /* tmp: int8 in natural order */
+        _mm_storeu_si128((__m128i *)(tmp + b * 8 + 4), _mm512_cvtsepi32_epi8(q1));
+    }
+    const int8_t *nat = (const int8_t *)tmp;
+    for (int64_t k = 0; k < K; k++) xq[kernel_pos(k, K, bits)] = nat[k];
 }
 
-static inline __m256 expand2h(const uint16_t *p, int step) { /* lanes 0-3 p[0], lanes 4-7 p[step] */
-    __m128i h = _mm_setr_epi16((short)p[0], (short)p[step], 0, 0, 0, 0, 0, 0);
-    return _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_castps128_ps256(_mm_cvtph_ps(h)));
+/* float16 scales p[0..n) times x's block scales, spread over 16 lanes by idx */
+static inline __m512 lane_scales(const uint16_t *p, int n, const float *xs, __m512i idx, int xs_per) {
+    __m128 w = _mm_cvtph_ps(n == 4 ? _mm_loadl_epi64((const __m128i *)p)
+                                   : (n == 2 ? _mm_cvtsi32_si128((int)((uint32_t)p[0] | (uint32_t)p[1] << 16)) : _mm_cvtsi32_si128(p[0])));
+    __m128 x;
+    if (xs_per == 1) x = _mm_loadu_ps(xs);  /* one x block per weight scale */
+    else x = _mm_setr_ps(xs[0], xs[0], xs[1], xs[1]); /* 16-wide weight groups: two per x block */
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_mul_ps(w, x)));
 }
 
 static inline float hsum256(__m256 v) {
@@ -119,56 +129,91 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[m, n] for mt rows m of one weight row n (without the min term). */
-static void dot_vnni(int mt, const int8_t *const *xq, const float *const *xs, const uint8_t *w, const uint16_t *sc,
+/* y[m, n] for mt rows m of one weight row n (without the min term). Always inlined into
+ * dot_vnni's cases: with mt a constant the loops over m unroll and the accumulators stay
+ * in registers. */
+static inline __attribute__((always_inline)) void dot_vnni_mt(const int mt, const int8_t *const *xq, const float *const *xs, const uint8_t *w, const uint16_t *sc,
                      int64_t K, int bits, int group, float *out) {
-    __m256 acc[PS_MT];
-    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m512 acc[PS_MT];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i by4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i by8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    int64_t k = 0;
     if (bits == 8) {
-        for (int64_t k = 0; k < K; k += 32) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
-            __m256 ws = group == 16 ? expand2h(sc + k / 16, 1) : _mm256_set1_ps(f16_to_f32(sc[k / 32]));
+        /* 64 codes: lanes 0-7 x block k/32, 8-15 the next; weight groups of 32 or 16 */
+        for (; k + 64 <= K; k += 64) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + k));
             for (int m = 0; m < mt; m++) {
-                __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, _mm256_loadu_si256((const __m256i *)(xq[m] + k)));
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), expand2(xs[m] + k / 16));
-                acc[m] = _mm256_fmadd_ps(f, ws, acc[m]);
+                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512((const void *)(xq[m] + k)));
+                __m512 f = group == 32 ? lane_scales(sc + k / 32, 2, xs[m] + k / 32, by8, 1)
+                                       : lane_scales(sc + k / 16, 4, xs[m] + k / 32, by4, 2);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[m]);
             }
         }
     } else {
-        int64_t k = 0;
-        for (; k + 64 <= K; k += 64) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k / 2));
-            __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-            __m256 ws_lo, ws_hi; /* lanes 0-3: the first 32 weights' group, 4-7: the second's */
-            if (group == 32) {
-                ws_lo = ws_hi = expand2h(sc + k / 32, 1);
-            } else {
-                ws_lo = expand2h(sc + k / 16, 2);
-                ws_hi = expand2h(sc + k / 16 + 1, 2);
-            }
+        /* 128 codes in 64 bytes: low nibbles = the first 16 of 4 blocks, high = the last 16 */
+        for (; k + 128 <= K; k += 128) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + k / 2));
+            __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
             for (int m = 0; m < mt; m++) {
-                __m256i slo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(xq[m] + k)));
-                __m256i shi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, _mm256_loadu_si256((const __m256i *)(xq[m] + k + 32)));
-                __m256 flo = _mm256_mul_ps(_mm256_cvtepi32_ps(slo), expand2(xs[m] + k / 16));
-                __m256 fhi = _mm256_mul_ps(_mm256_cvtepi32_ps(shi), expand2(xs[m] + k / 16 + 2));
-                acc[m] = _mm256_fmadd_ps(flo, ws_lo, acc[m]);
-                acc[m] = _mm256_fmadd_ps(fhi, ws_hi, acc[m]);
-            }
-        }
-        if (k < K) { /* a last run of 32: 16 bytes, low nibbles then high ones */
-            __m128i wv = _mm_loadu_si128((const __m128i *)(w + k / 2));
-            __m128i n4 = _mm_set1_epi8(0x0F);
-            __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(wv, 4), n4), _mm_and_si128(wv, n4));
-            __m256 ws = group == 32 ? _mm256_set1_ps(f16_to_f32(sc[k / 32])) : expand2h(sc + k / 16, 1);
-            for (int m = 0; m < mt; m++) {
-                __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), both, _mm256_loadu_si256((const __m256i *)(xq[m] + k)));
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), expand2(xs[m] + k / 16));
-                acc[m] = _mm256_fmadd_ps(f, ws, acc[m]);
+                __m512i xlo = _mm512_loadu_si512((const void *)(xq[m] + k)), xhi = _mm512_loadu_si512((const void *)(xq[m] + k + 64));
+                if (group == 32) { /* both halves of a block share its scales: add in int32 */
+                    __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), lane_scales(sc + k / 32, 4, xs[m] + k / 32, by4, 1), acc[m]);
+                } else {
+                    __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
+                    __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi);
+                    for (int half = 0; half < 2; half++) {
+                        /* scales of the first (second) 16 of each of the 4 blocks */
+                        const uint16_t *g = sc + k / 16 + half;
+                        __m128 wsc = _mm_cvtph_ps(_mm_setr_epi16((short)g[0], (short)g[2], (short)g[4], (short)g[6], 0, 0, 0, 0));
+                        __m512 f = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_mul_ps(wsc, _mm_loadu_ps(xs[m] + k / 32))));
+                        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half ? shi : slo), f, acc[m]);
+                    }
+                }
             }
         }
     }
-    for (int m = 0; m < mt; m++) out[m] = hsum256(acc[m]);
+    /* the tail, 32 codes at a time (after 128-code chunks: chunks of 2 blocks and 1 block) */
+    __m256 acc8[PS_MT];
+    for (int m = 0; m < mt; m++) acc8[m] = _mm256_setzero_ps();
+    const int64_t t0 = k; /* bits 4: a chunk of 2 blocks starts here when 64 or 96 codes are left */
+    for (; k < K; k += 32) {
+        const int pair = bits == 4 && K - t0 >= 64 && k < t0 + 64;
+        __m256i both; /* lanes 0-3: the block's first 16 codes, 4-7: its last 16 */
+        if (bits == 8) {
+            both = _mm256_loadu_si256((const __m256i *)(w + k));
+        } else {
+            __m128i wv = _mm_loadu_si128((const __m128i *)(w + k / 2)), n4 = _mm_set1_epi8(0x0F);
+            both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(wv, 4), n4), _mm_and_si128(wv, n4));
+        }
+        __m256 ws = group == 32 ? _mm256_set1_ps(f16_to_f32(sc[k / 32]))
+                                : _mm256_setr_m128(_mm_set1_ps(f16_to_f32(sc[k / 16])), _mm_set1_ps(f16_to_f32(sc[k / 16 + 1])));
+        for (int m = 0; m < mt; m++) {
+            /* x in kernel order: a tail chunk of 2 blocks at t0 is [b0 lo, b1 lo, b0 hi, b1 hi] */
+            __m256i xv;
+            if (pair && k == t0) {
+                xv = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(xq[m] + k + 32)), _mm_loadu_si128((const __m128i *)(xq[m] + k)));
+            } else if (pair && k == t0 + 32) {
+                xv = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(xq[m] + k + 16)), _mm_loadu_si128((const __m128i *)(xq[m] + k - 16)));
+            } else {
+                xv = _mm256_loadu_si256((const __m256i *)(xq[m] + k));
+            }
+            __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), both, xv);
+            acc8[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), ws), _mm256_set1_ps(xs[m][k / 32]), acc8[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]) + hsum256(acc8[m]);
+}
+static void dot_vnni(int mt, const int8_t *const *xq, const float *const *xs, const uint8_t *w, const uint16_t *sc,
+                     int64_t K, int bits, int group, float *out) {
+    switch (mt) {
+    case 1: dot_vnni_mt(1, xq, xs, w, sc, K, bits, group, out); break;
+    case 2: dot_vnni_mt(2, xq, xs, w, sc, K, bits, group, out); break;
+    case 3: dot_vnni_mt(3, xq, xs, w, sc, K, bits, group, out); break;
+    default: dot_vnni_mt(4, xq, xs, w, sc, K, bits, group, out); break;
+    }
 }
 #endif
 
@@ -199,23 +244,23 @@ int ps_gguf_matmul(const void *x, int64_t x_stride, int x_dtype, int64_t M, int6
     int es = x_dtype == PS_F32 ? 4 : 2;
     int64_t ng = K / group, wrow = bits == 8 ? K : K / 2;
     /* per row of x: float values, group sums, and for VNNI int8 values + scales */
-    float *xf = malloc(sizeof(float) * (size_t)(M * K + M * ng + M * (K / 16) + K));
+    float *xf = malloc(sizeof(float) * (size_t)(M * K + M * ng + M * (K / 32) + K + 16));
     int8_t *xq = malloc((size_t)(M * K) + 64);
     if (xf == NULL || xq == NULL) {
         free(xf);
         free(xq);
         return -1;
     }
-    float *xsum = xf + M * K, *xs16 = xsum + M * ng, *tmp = xs16 + M * (K / 16);
+    float *xsum = xf + M * K, *xs32 = xsum + M * ng, *tmp = xs32 + M * (K / 32);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t k = 0; k < K; k++) xf[m * K + k] = load_x((const char *)x + m * x_stride * es, k, x_dtype);
 #if PS_VNNI
-        quantize_row(xf + m * K, K, bits, xq + m * K, xs16 + m * (K / 16), tmp);
+        quantize_row(xf + m * K, K, bits, xq + m * K, xs32 + m * (K / 32), tmp);
         /* the min term sums the int8-rounded x: y is then exactly the matmul of the rounded x
          * (with the exact sums, rounding errors of the code term would not cancel against it) */
         for (int64_t k = 0; k < K; k++) {
             int64_t p = kernel_pos(k, K, bits);
-            tmp[k] = xs16[m * (K / 16) + p / 16] * (float)xq[m * K + p];
+            tmp[k] = xs32[m * (K / 32) + k / 32] * (float)xq[m * K + p];
         }
         group_sums(tmp, K, group, xsum + m * ng);
 #else
@@ -238,7 +283,7 @@ int ps_gguf_matmul(const void *x, int64_t x_stride, int x_dtype, int64_t M, int6
             const float *xss[PS_MT];
             for (int m = 0; m < mt; m++) {
                 xqs[m] = xq + (m0 + m) * K;
-                xss[m] = xs16 + (m0 + m) * (K / 16);
+                xss[m] = xs32 + (m0 + m) * (K / 32);
             }
             dot_vnni(mt, xqs, xss, wn, sn, K, bits, group, out);
 #else

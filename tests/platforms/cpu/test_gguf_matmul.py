@@ -33,8 +33,9 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-# int8 activations (VNNI) cost ~0.5%; bf16 outputs add their rounding
-TOL = {torch.float32: 1e-2, torch.bfloat16: 1.5e-2, torch.float16: 1e-2}
+# int8 activations with a scale per 32 values (VNNI; llama.cpp's Q8 blocks) cost ~0.5-1.1%
+# on these N(0, 1) inputs; bf16 outputs add their rounding
+TOL = {torch.float32: 1.5e-2, torch.bfloat16: 2e-2, torch.float16: 1.5e-2}
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
@@ -83,7 +84,7 @@ def test_the_portable_build_computes_in_float(kernels):
                   torch.full((16, 4), 0.01), torch.full((16, 4), -0.08))
     x = torch.randn(3, 64, generator=gen)
     err = rel(gguf_matmul(kernels, x, packed, None), reference_matmul(x, packed))
-    assert err < (1e-2 if kernels.gguf_vnni() else 1e-6)
+    assert err < (1.5e-2 if kernels.gguf_vnni() else 1e-6)
 
 
 def test_embedding_rows_dequantize_exactly(kernels):
