@@ -3,7 +3,8 @@ artifacts, `smollm2_gguf` and `minilm_folder`, are in tests/conftest.py).
 
 - `llama_cpp`: llama.cpp's sources (its `convert_hf_to_gguf.py`, the independent GGUF
   writer) and its `llama-tokenize` tool, from `$PORTASERVE_LLAMA_CPP_DIR` (a source tree
-  with `build/bin/llama-tokenize`; `ci/llama_cpp.sh` makes one);
+  with `build/bin/llama-tokenize`, and `llama-perplexity` for the perplexity check;
+  `ci/llama_cpp.sh DIR llama-tokenize llama-perplexity` makes one);
 - `convert`: llama.cpp's converter run on an HF folder, cached per session.
 
 Without llama.cpp the tests that need it skip, saying how to get it; CI sets
@@ -32,6 +33,10 @@ class LlamaCpp:
     @property
     def tokenize_tool(self) -> Path:
         return self.source / "build" / "bin" / "llama-tokenize"
+
+    @property
+    def perplexity_tool(self) -> Path:
+        return self.source / "build" / "bin" / "llama-perplexity"
 
     def tokenize(self, gguf: Path, text: str, tmp_path: Path) -> list[int]:
         """llama-tokenize's ids for `text`: no BOS added; special tokens in the text are

@@ -1,11 +1,16 @@
 """The default model through its quantized path (the "gguf" method: Q4_1 / Q8_0 blocks kept
 in memory, int8 activations on the CPU) against the same file dequantized: perplexity of
 a fixed text within 1%, mostly the same greedy tokens, the same chat answer, and the
-weights resident at about the file's size."""
+weights resident at about the file's size; and against llama.cpp's own `llama-perplexity`
+on the same file and text."""
 
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +80,37 @@ def test_the_packed_weights_are_about_the_files_size_and_survive_sleep(engines, 
     assert 0.9 * smollm2_gguf.stat().st_size <= released["weights_bytes"] <= 1.1 * smollm2_gguf.stat().st_size, released
     quantized.llm_engine.wake_up()
     assert quantized.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def _license_text() -> str:
+    """A fixed English text every Python installation has (its license), ~1,500 tokens."""
+    return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()[:6000]
+
+
+def test_perplexity_close_to_llama_cpps_on_the_same_file(engines, smollm2_gguf, llama_cpp, missing, tmp_path):
+    """llama-perplexity's method: chunks of n_ctx tokens, each token of a chunk's second
+    half scored given the chunk before it; the same chunks through portaserve."""
+    if not llama_cpp.perplexity_tool.is_file():
+        missing(f"no {llama_cpp.perplexity_tool} (ci/llama_cpp.sh DIR llama-tokenize llama-perplexity)")
+    quantized, _ = engines
+    n_ctx, chunks = 256, 4
+    text = _license_text()
+    (tmp_path / "text.txt").write_text(text)
+    cmd = [str(llama_cpp.perplexity_tool), "-m", str(smollm2_gguf), "-f", str(tmp_path / "text.txt"), "-c", str(n_ctx),
+           "-b", str(n_ctx), "--chunks", str(chunks), "-t", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr).group(1))
+    ids = quantized.get_tokenizer().encode(text)  # the file adds no BOS, as llama.cpp reads it
+    assert len(ids) >= n_ctx * chunks
+    nll, count = 0.0, 0
+    for c in range(chunks):
+        chunk = ids[c * n_ctx:(c + 1) * n_ctx]
+        res = quantized.generate([{"prompt_token_ids": chunk}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                 use_tqdm=False)[0]
+        for j in range(n_ctx // 2, n_ctx - 1):
+            nll -= res.prompt_logprobs[j + 1][chunk[j + 1]].logprob
+            count += 1
+    ours = math.exp(nll / count)
+    assert 2 < theirs < 100
+    assert abs(ours - theirs) / theirs < 0.03, (ours, theirs)
