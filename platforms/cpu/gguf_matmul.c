@@ -112,10 +112,14 @@ static void quantize_row(const float *xf, int64_t K, int bits, int8_t *xq, float
     for (int64_t k = 0; k < K; k++) xq[kernel_pos(k, K, bits)] = nat[k];
 }
 
-/* float16 scales p[0..n) times x's block scales, spread over 16 lanes by idx */
-static inline __m512 lane_scales(const uint16_t *p, int n, const float *xs, __m512i idx, int xs_per) {
-    __m128 w = _mm_cvtph_ps(n == 4 ? _mm_loadl_epi64((const __m128i *)p)
-                                   : (n == 2 ? _mm_cvtsi32_si128((int)((uint32_t)p[0] | (uint32_t)p[1] << 16)) : _mm_cvtsi32_si128(p[0])));
+/* n float16 weight scales (4, or 2 in lanes 0-1) as floats */
+static inline __m128 weight_scales(const uint16_t *p, int n) {
+    return _mm_cvtph_ps(n == 4 ? _mm_loadl_epi64((const __m128i *)p)
+                               : _mm_cvtsi32_si128((int)((uint32_t)p[0] | (uint32_t)p[1] << 16)));
+}
+
+/* weight scales w times x's block scales, spread over 16 lanes by idx */
+static inline __m512 lane_scales(__m128 w, const float *xs, __m512i idx, int xs_per) {
     __m128 x;
     if (xs_per == 1) x = _mm_loadu_ps(xs);  /* one x block per weight scale */
     else x = _mm_setr_ps(xs[0], xs[0], xs[1], xs[1]); /* 16-wide weight groups: two per x block */
@@ -144,10 +148,10 @@ static inline __attribute__((always_inline)) void dot_vnni_mt(const int mt, cons
         /* 64 codes: lanes 0-7 x block k/32, 8-15 the next; weight groups of 32 or 16 */
         for (; k + 64 <= K; k += 64) {
             __m512i wv = _mm512_loadu_si512((const void *)(w + k));
+            __m128 ws = group == 32 ? weight_scales(sc + k / 32, 2) : weight_scales(sc + k / 16, 4);
             for (int m = 0; m < mt; m++) {
                 __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512((const void *)(xq[m] + k)));
-                __m512 f = group == 32 ? lane_scales(sc + k / 32, 2, xs[m] + k / 32, by8, 1)
-                                       : lane_scales(sc + k / 16, 4, xs[m] + k / 32, by4, 2);
+                __m512 f = group == 32 ? lane_scales(ws, xs[m] + k / 32, by8, 1) : lane_scales(ws, xs[m] + k / 32, by4, 2);
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[m]);
             }
         }
@@ -156,11 +160,12 @@ static inline __attribute__((always_inline)) void dot_vnni_mt(const int mt, cons
         for (; k + 128 <= K; k += 128) {
             __m512i wv = _mm512_loadu_si512((const void *)(w + k / 2));
             __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+            __m128 ws = group == 32 ? weight_scales(sc + k / 32, 4) : _mm_setzero_ps();
             for (int m = 0; m < mt; m++) {
                 __m512i xlo = _mm512_loadu_si512((const void *)(xq[m] + k)), xhi = _mm512_loadu_si512((const void *)(xq[m] + k + 64));
                 if (group == 32) { /* both halves of a block share its scales: add in int32 */
                     __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), lane_scales(sc + k / 32, 4, xs[m] + k / 32, by4, 1), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), lane_scales(ws, xs[m] + k / 32, by4, 1), acc[m]);
                 } else {
                     __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
                     __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi);
