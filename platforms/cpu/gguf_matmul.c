@@ -248,16 +248,20 @@ int ps_gguf_matmul(const void *x, int64_t x_stride, int x_dtype, int64_t M, int6
     if ((bits != 4 && bits != 8) || (group != 16 && group != 32) || K % 32 || M <= 0 || N <= 0) return -1;
     int es = x_dtype == PS_F32 ? 4 : 2;
     int64_t ng = K / group, wrow = bits == 8 ? K : K / 2;
-    /* per row of x: float values, group sums, and for VNNI int8 values + scales */
-    float *xf = malloc(sizeof(float) * (size_t)(M * K + M * ng + M * (K / 32) + K + 16));
+    /* per row of x: float values, group sums, and for VNNI int8 values, scales and a
+     * scratch row (per row, so rows are prepared in parallel in a prefill) */
+    float *xf = malloc(sizeof(float) * (size_t)(M * K + M * ng + M * (K / 32) + M * (K + 16)));
     int8_t *xq = malloc((size_t)(M * K) + 64);
     if (xf == NULL || xq == NULL) {
         free(xf);
         free(xq);
         return -1;
     }
-    float *xsum = xf + M * K, *xs32 = xsum + M * ng, *tmp = xs32 + M * (K / 32);
+    float *xsum = xf + M * K, *xs32 = xsum + M * ng, *tmps = xs32 + M * (K / 32);
+    int prep_threads = (nthreads > 1 && M >= 8) ? nthreads : 1;
+#pragma omp parallel for schedule(static) num_threads(prep_threads)
     for (int64_t m = 0; m < M; m++) {
+        float *tmp = tmps + m * (K + 16);
         for (int64_t k = 0; k < K; k++) xf[m * K + k] = load_x((const char *)x + m * x_stride * es, k, x_dtype);
 #if PS_VNNI
         quantize_row(xf + m * K, K, bits, xq + m * K, xs32 + m * (K / 32), tmp);
@@ -269,10 +273,10 @@ int ps_gguf_matmul(const void *x, int64_t x_stride, int x_dtype, int64_t M, int6
         }
         group_sums(tmp, K, group, xsum + m * ng);
 #else
+        (void)tmp;
         group_sums(xf + m * K, K, group, xsum + m * ng);
 #endif
     }
-    (void)tmp;
     int threads = nthreads > 0 ? nthreads : 1;
     if (N * (M < 4 ? M : 4) * K < (1 << 16)) threads = 1; /* too small to pay for a fork */
 #pragma omp parallel for schedule(static) num_threads(threads)
