@@ -62,10 +62,6 @@ class GGUFMethod(QuantMethod):
         super().__init__(config)
         self._matmul = None
 
-    @classmethod
-    def unsupported_reason(cls, features: frozenset[str], act_dtype: torch.dtype, config: Mapping[str, Any]) -> str | None:
-        return super().unsupported_reason(features, act_dtype, config)
-
     # ----- loading ------------------------------------------------------------------
 
     def quantizes_embedding(self) -> bool:

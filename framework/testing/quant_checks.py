@@ -5,7 +5,9 @@ the device, the checkpoint tensors of `QuantMethod.conformance_weights` copied i
 parameters it registered, `process_weights_after_loading`), then compares `apply` on
 random inputs of a few leading shapes with `F.linear(x, W, b)` in float64, where W is
 the float weight the checkpoint stands for: relative error within the method's
-`conformance_tolerance` (None: the activation dtype's rounding).
+`conformance_tolerance` (None: the activation dtype's rounding). A method that stores
+embedding tables (`QuantMethod.quantizes_embedding`) also has its `embedding` rows
+compared with the table's.
 
 A method that keeps the interface's default `conformance_weights` (a float `weight` and
 `bias`) but registers other checkpoint tensors (a pre-quantized format) cannot be fed
@@ -101,4 +103,32 @@ def check_quant_method(cls: type[QuantMethod], device: torch.device, dtype: torc
             assert err <= tol, (
                 f"{where}: relative error {err:.3g} > {tol:g} against F.linear on the float weight "
                 f"(a quantizing method states its error budget in QuantMethod.conformance_tolerance)")
+    _check_embedding(cls, device, dtype, features, seed)
     return None
+
+
+def _check_embedding(cls: type[QuantMethod], device: torch.device, dtype: torch.dtype, features: frozenset[str],
+                     seed: int) -> None:
+    """A method that stores embedding tables (contract 1.2): `embedding` returns the rows
+    of the table it stands for, and `apply` on the same layer multiplies by it (a tied
+    LM head)."""
+    method = cls()
+    method.platform_features = frozenset(features)
+    method.prefix = "conformance.embed_tokens"
+    if not method.quantizes_embedding():
+        return
+    rows, dim = 97, 256
+    tensors = cls.conformance_weights(dim, rows, dtype, torch.Generator().manual_seed(seed + 100))
+    layer = nn.Module()
+    with torch.device(device):
+        method.create_weights(layer, dim, rows, dtype, False)
+    _load(layer, tensors)
+    method.process_weights_after_loading(layer)
+    table = tensors["reference_weight" if "reference_weight" in tensors else "weight"].to("cpu", torch.float64)
+    ids = torch.tensor([0, rows - 1, 5, 5, 42])
+    out = method.embedding(layer, ids.to(device))
+    assert tuple(out.shape) == (len(ids), dim) and out.dtype == dtype, (
+        f"{cls.name}: embedding rows {tuple(out.shape)} {out.dtype}, expected {(len(ids), dim)} {dtype}")
+    # the rows are stored values, not products: only the dtype's rounding
+    err = relative_error(out, table[ids])
+    assert err <= DEFAULT_TOLERANCES.get(dtype, 1e-2), f"{cls.name}: embedding rows off by {err:.3g} ({dtype})"

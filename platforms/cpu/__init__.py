@@ -2,7 +2,7 @@
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.1"
+PORTASERVE_CONTRACT = "1.2"
 
 
 @hookimpl
