@@ -309,6 +309,50 @@ int ps_gguf_matmul(const void *x, int64_t x_stride, int x_dtype, int64_t M, int6
     return 0;
 }
 
+/* Rows [n0, n1) of W dequantized into out[n1 - n0, K] (out_dtype: float32 or bfloat16), for a
+ * prefill's matmul in the platform's GEMM: at 32+ rows of x a bf16 GEMM with the weight
+ * expanded once per call beats the int8 dot products. */
+int ps_gguf_dequantize(const uint8_t *w, int bits, int group, const uint16_t *scales, const uint16_t *mins, int64_t N,
+                       int64_t K, void *out, int out_dtype, int nthreads) {
+    if ((bits != 4 && bits != 8) || (group != 16 && group != 32) || K % 32 || (out_dtype != PS_F32 && out_dtype != PS_BF16))
+        return -1;
+    int64_t ng = K / group, wrow = bits == 8 ? K : K / 2;
+    int threads = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wn = w + n * wrow;
+        char *on = (char *)out + n * K * (out_dtype == PS_F32 ? 4 : 2);
+        for (int64_t b = 0; b < K / 32; b++) { /* one block of 32 codes at a time */
+#if PS_AVX512
+            __m128i c0, c1; /* codes 0-15 and 16-31 as bytes */
+            if (bits == 8) {
+                c0 = _mm_loadu_si128((const __m128i *)(wn + b * 32));
+                c1 = _mm_loadu_si128((const __m128i *)(wn + b * 32 + 16));
+            } else {
+                __m128i v = _mm_loadu_si128((const __m128i *)(wn + b * 16)), n4 = _mm_set1_epi8(0x0F);
+                c0 = _mm_and_si128(v, n4);
+                c1 = _mm_and_si128(_mm_srli_epi16(v, 4), n4);
+            }
+            int64_t g0 = group == 32 ? b : 2 * b, g1 = group == 32 ? b : 2 * b + 1;
+            __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), _mm512_set1_ps(f16_to_f32(scales[n * ng + g0])),
+                                        _mm512_set1_ps(f16_to_f32(mins[n * ng + g0])));
+            __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), _mm512_set1_ps(f16_to_f32(scales[n * ng + g1])),
+                                        _mm512_set1_ps(f16_to_f32(mins[n * ng + g1])));
+            store16(on + (b * 32) * (out_dtype == PS_F32 ? 4 : 2), v0, 16, out_dtype);
+            store16(on + (b * 32 + 16) * (out_dtype == PS_F32 ? 4 : 2), v1, 16, out_dtype);
+#else
+            for (int j = 0; j < 32; j++) {
+                int64_t k = b * 32 + j;
+                int code = bits == 8 ? wn[k] : (j < 16 ? (wn[b * 16 + j] & 0x0F) : (wn[b * 16 + j - 16] >> 4));
+                float v = f16_to_f32(scales[n * ng + k / group]) * (float)code + f16_to_f32(mins[n * ng + k / group]);
+                store_y(on, k, v, out_dtype);
+            }
+#endif
+        }
+    }
+    return 0;
+}
+
 /* Rows `ids` of the table W (same layout) dequantized into out[len(ids), K] (out_dtype). */
 int ps_gguf_embedding(const int64_t *ids, int64_t count, const uint8_t *w, int bits, int group, const uint16_t *scales,
                       const uint16_t *mins, int64_t N, int64_t K, void *out, int out_dtype) {

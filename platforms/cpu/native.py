@@ -57,6 +57,7 @@ _SIGNATURES = {
     "ps_silu_and_mul": (_I32, [_P, _I64, _P, _I64, _I32, _I32, _I32]),
     "ps_gguf_vnni": (_I32, []),
     "ps_gguf_matmul": (_I32, [_P, _I64, _I32, _I64, _I64, _P, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32]),
+    "ps_gguf_dequantize": (_I32, [_P, _I32, _I32, _P, _P, _I64, _I64, _P, _I32, _I32]),
     "ps_gguf_embedding": (_I32, [_P, _I64, _P, _I32, _I32, _P, _P, _I64, _I64, _P, _I32]),
     "ps_rotary": (_I32, [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64,
                          _I32, _I32, _I32, _I32, _I32, _I32, _P, _I32]),

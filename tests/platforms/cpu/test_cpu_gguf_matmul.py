@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from portaserve.framework.gguf.blocks import BLOCK_TYPES, decompose, random_blocks
-from portaserve.framework.quantization.gguf_layout import pack, reference_matmul, unpack
+from portaserve.framework.quantization.gguf_layout import dequantize_packed, pack, reference_matmul, unpack
 from portaserve.platforms.cpu import native
 from portaserve.platforms.cpu.gguf_linear import gguf_matmul
 
@@ -114,3 +114,42 @@ def test_pack_unpack_round_trip():
         assert packed.group == (32 if pairs else 16) and packed.bits == (4 if top == 16 else 8)
         back = unpack(packed)
         assert torch.equal(back[0], codes) and torch.equal(back[1], scales) and torch.equal(back[2], mins)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16)])
+def test_dequantize_matches_the_reference(kernels, bits, group):
+    gen = torch.Generator().manual_seed(bits + group)
+    top = 16 if bits == 4 else 256
+    n, k = 33, 160
+    codes = torch.randint(0, top, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=gen).half().float().repeat_interleave(group // 16, dim=1)
+    mins = -torch.rand(n, k // group, generator=gen).half().float().repeat_interleave(group // 16, dim=1)
+    packed = pack(codes, scales, mins)
+    ref = dequantize_packed(packed)
+    for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1)):
+        out = torch.empty(n, k, dtype=dtype)
+        assert kernels.gguf_dequantize(packed.qweight.data_ptr(), packed.bits, packed.group, packed.scales.data_ptr(),
+                                       packed.mins.data_ptr(), n, k, out.data_ptr(), code, 2) == 0
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -8 if dtype == torch.bfloat16 else 0, atol=0)
+
+
+def test_a_prefill_multiplies_through_the_dequantized_weight(kernels, monkeypatch):
+    """From DEQUANTIZE_ROWS rows of x the layer runs the platform GEMM on the expanded
+    weight: the float matmul's result, without the int8 activations' error."""
+    from torch import nn
+
+    from portaserve.platforms.cpu import gguf_linear
+
+    monkeypatch.setattr(native, "load", lambda: kernels)
+    method = gguf_linear.CpuGGUFMethod()
+    method.platform_features = frozenset({"c_kernels"})
+    layer = nn.Module()
+    method.create_weights(layer, 96, 40, torch.float32, True)
+    tensors = gguf_linear.CpuGGUFMethod.conformance_weights(96, 40, torch.float32, torch.Generator().manual_seed(0))
+    for name in ("weight", "weight_scale", "weight_min", "bias"):
+        getattr(layer, name).data.copy_(tensors[name])
+    method.process_weights_after_loading(layer)
+    x = torch.randn(gguf_linear.DEQUANTIZE_ROWS + 3, 96, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ tensors["reference_weight"].double().T + tensors["bias"].double()
+    assert rel(method.apply(layer, x, layer.bias), ref) < 1e-5
+    assert rel(method.apply(layer, x[:3], layer.bias), ref[:3]) < TOL[torch.float32]
