@@ -50,7 +50,16 @@ def test_the_plan_keeps_the_file_quantized(engines):
     assert dense.llm_engine.spec.plan.quantization.name in ("none", "onednn")
 
 
-def test_perplexity_within_one_percent_of_the_dequantized_path(engines):
+@pytest.fixture
+def int8_everywhere(monkeypatch):
+    """The CPU's int8 dot products for prompts too (a prefill normally multiplies by the
+    weight expanded to the activation dtype, which is exact): what decode computes."""
+    from portaserve.platforms.cpu import gguf_linear
+
+    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_ROWS", 1 << 30)
+
+
+def test_perplexity_within_one_percent_of_the_dequantized_path(engines, int8_everywhere):
     quantized, dense = engines
     ids = quantized.get_tokenizer().encode(TEXT)
     assert len(ids) > 100
@@ -87,9 +96,11 @@ def _license_text() -> str:
     return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()[:6000]
 
 
-def test_perplexity_close_to_llama_cpps_on_the_same_file(engines, smollm2_gguf, llama_cpp, missing, tmp_path):
+def test_perplexity_close_to_llama_cpps_on_the_same_file(engines, smollm2_gguf, llama_cpp, missing, tmp_path,
+                                                        int8_everywhere):
     """llama-perplexity's method: chunks of n_ctx tokens, each token of a chunk's second
-    half scored given the chunk before it; the same chunks through portaserve."""
+    half scored given the chunk before it; the same chunks through portaserve, int8
+    activations throughout as llama.cpp's Q8 blocks."""
     if not llama_cpp.perplexity_tool.is_file():
         missing(f"no {llama_cpp.perplexity_tool} (ci/llama_cpp.sh DIR llama-tokenize llama-perplexity)")
     quantized, _ = engines
