@@ -77,8 +77,15 @@ def test_converted_gguf_generates_like_transformers(folders, convert, arch, outt
 
     folder = folders[arch]
     gguf_path = convert(folder, outtype)
-    llm = LLM(str(gguf_path), dtype="float32", num_gpu_blocks_override=64)
+    # a quantized file keeps its blocks (the "gguf" method); named explicitly, the method runs
+    # its exact torch path, so greedy tokens match transformers on the file's rounded weights
+    # (the CPU's default int8-activation kernel is checked against this path elsewhere:
+    # test_gguf_quantized_models.py)
+    quantization = "gguf" if outtype == "q8_0" else None
+    llm = LLM(str(gguf_path), dtype="float32", quantization=quantization, num_gpu_blocks_override=64)
     try:
+        if quantization:
+            assert llm.llm_engine.spec.plan.quantization.name == "gguf"
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         if outtype != "f32":
             round_like_the_file(reference, gguf_path, arch)
