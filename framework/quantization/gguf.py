@@ -26,7 +26,6 @@ file's size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F

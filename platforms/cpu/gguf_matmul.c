@@ -52,6 +52,13 @@ static void group_sums(const float *xf, int64_t K, int group, float *xsum) {
     }
 }
 
+/* The code of weight k of a row (see the layout above). */
+static inline int code_at(const uint8_t *row, int64_t k, int bits) {
+    if (bits == 8) return row[k];
+    uint8_t byte = row[(k / 32) * 16 + (k & 15)];
+    return (k & 31) < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
 /* ----- the plain float path ---------------------------------------------------------- */
 
 /* sum_g scale[g] * sum_{i in g} code_i * x_i (the min term is added by the caller) */
@@ -61,15 +68,7 @@ static float dot_plain(const float *xf, const uint8_t *w, const uint16_t *sc, in
         float s = 0.0f;
         for (int i = 0; i < group; i++) {
             int64_t k = g * group + i;
-            int code;
-            if (bits == 8) {
-                code = w[k];
-            } else {
-                int64_t blk = k / 32, j = k % 32;
-                uint8_t byte = w[blk * 16 + (j & 15)];
-                code = j < 16 ? (byte & 0x0F) : (byte >> 4);
-            }
-            s += (float)code * xf[k];
+            s += (float)code_at(w, k, bits) * xf[k];
         }
         acc += f16_to_f32(sc[g]) * s;
     }
@@ -343,8 +342,7 @@ int ps_gguf_dequantize(const uint8_t *w, int bits, int group, const uint16_t *sc
 #else
             for (int j = 0; j < 32; j++) {
                 int64_t k = b * 32 + j;
-                int code = bits == 8 ? wn[k] : (j < 16 ? (wn[b * 16 + j] & 0x0F) : (wn[b * 16 + j - 16] >> 4));
-                float v = f16_to_f32(scales[n * ng + k / group]) * (float)code + f16_to_f32(mins[n * ng + k / group]);
+                float v = f16_to_f32(scales[n * ng + k / group]) * (float)code_at(wn, k, bits) + f16_to_f32(mins[n * ng + k / group]);
                 store_y(on, k, v, out_dtype);
             }
 #endif
@@ -362,16 +360,8 @@ int ps_gguf_embedding(const int64_t *ids, int64_t count, const uint8_t *w, int b
         if (n < 0 || n >= N) return -1;
         const uint8_t *wn = w + n * wrow;
         for (int64_t k = 0; k < K; k++) {
-            int code;
-            if (bits == 8) {
-                code = wn[k];
-            } else {
-                int64_t blk = k / 32, j = k % 32;
-                uint8_t byte = wn[blk * 16 + (j & 15)];
-                code = j < 16 ? (byte & 0x0F) : (byte >> 4);
-            }
             int64_t g = k / group;
-            float v = f16_to_f32(scales[n * ng + g]) * (float)code + f16_to_f32(mins[n * ng + g]);
+            float v = f16_to_f32(scales[n * ng + g]) * (float)code_at(wn, k, bits) + f16_to_f32(mins[n * ng + g]);
             store_y((char *)out + t * K * (out_dtype == PS_F32 ? 4 : 2), k, v, out_dtype);
         }
     }
