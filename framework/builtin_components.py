@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.2"
+PORTASERVE_CONTRACT = "1.3"
 
 
 @hookimpl

@@ -49,6 +49,12 @@ History:
 - 1.2: quantized embedding tables: ``QuantMethod.quantizes_embedding`` and
   ``QuantMethod.embedding`` (a format that quantizes the table, GGUF, keeps it
   quantized; the default keeps tables dense, so 1.x methods load unchanged).
+- 1.3: graph recorders beyond CUDA graphs: ``PlatformCapabilities.graph_backends`` (the
+  compile backends that record rather than trace, so the plan keeps untraceable
+  components under them), ``GraphCapture.batch_sizes`` (the decode batch sizes worth a
+  recording; None keeps the engine's buckets) and ``GraphCaptureUnsupported`` (a recorder
+  refusing a callable it cannot replay; the engine then decodes eagerly). The CPU
+  platform records its C kernel calls. Defaults keep 1.x platforms unchanged.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "portaserve"
 #: The contract version of this portaserve: (major, minor).
-CONTRACT_VERSION = (1, 2)
+CONTRACT_VERSION = (1, 3)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorator for plugin hook implementations: ``@hookimpl def portaserve_platform(): ...``

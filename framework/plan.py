@@ -152,8 +152,10 @@ def resolve_plan(
         for layer_type, spec in specs.items()
     )
     compilation, compile_backend = _choose_compilation(config, platform)
+    # traced by torch.compile (a graph recorder, such as CUDA graphs, traces nothing)
+    traced = compile_backend is not None and compile_backend not in caps.graph_backends
     quant_choice, quant_config, unquantized = _choose_quantization(
-        config, registry, platform, hf_config, torch_dtype, compiled=compilation.name != "none"
+        config, registry, platform, hf_config, torch_dtype, compiled=traced
     )
     return ExecutionPlan(
         platform=platform_row,
@@ -169,7 +171,7 @@ def resolve_plan(
         quantization=quant_choice,
         compilation=compilation,
         compile_backend=compile_backend,
-        custom_ops=_choose_ops(registry, platform, compiled=compilation.name != "none"),
+        custom_ops=_choose_ops(registry, platform, compiled=traced),
         tensor_parallel_size=config.tensor_parallel_size,
         quantization_config=quant_config,
         platform_features=tuple(sorted(caps.features)),

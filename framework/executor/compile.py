@@ -5,14 +5,15 @@ The plan's `compilation` choice is a mode ("none", "default", "max") and the pla
 model runner uses for `model(input_ids, positions, step)`:
 
 - "none" -> `EagerForward`: the model as it is.
-- "inductor" (CPU, XPU; CUDA/ROCm "max") -> `TorchCompileForward`: `torch.compile` with
+- "inductor" (XPU; CPU, CUDA, ROCm "max") -> `TorchCompileForward`: `torch.compile` with
   the token dimension dynamic (one graph for every batch size, plus the size-1 graph
   torch specializes); "max" adds inductor's max-autotune GEMM search. Compiled kernels
   land in inductor's on-disk caches under portaserve's cache folder
   (`compile_cache_dir()`), so a second start with the same model and torch reuses them.
 - a backend the platform records graphs for (`Platform.graph_capture` returns a
-  recorder: CUDA graphs for CUDA/ROCm "default") -> `DecodeGraphForward` (in
-  `decode_graphs`): pure-decode steps replayed from per-bucket graphs.
+  recorder: CUDA graphs for CUDA/ROCm "default", recorded C kernel calls for CPU
+  "default") -> `DecodeGraphForward` (in `decode_graphs`): pure-decode steps replayed
+  from per-bucket graphs. Nothing is traced, so the plan keeps untraceable components.
 - any other name (TPU's "openxla") -> `TorchCompileForward` with that dynamo backend.
 
 Attention stays out of the graphs: its metadata is Python objects that change every

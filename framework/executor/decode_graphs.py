@@ -1,5 +1,6 @@
 """Decode graphs: pure-decode steps replayed from graphs the platform records
-(`Platform.graph_capture`: CUDA graphs on CUDA/ROCm), for the compile backend the plan
+(`Platform.graph_capture`: CUDA graphs on CUDA/ROCm, recorded C kernel calls on the CPU),
+for the compile backend the plan
 names when the platform declares a recorder for it (`compile.build_forward` chooses).
 
 A pure-decode step (every sequence adds one token) is padded to a batch-size bucket
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from portaserve.framework.interfaces import AttentionBatch
-from portaserve.framework.interfaces.graph_capture import CapturedGraph, GraphCapture
+from portaserve.framework.interfaces.graph_capture import CapturedGraph, GraphCapture, GraphCaptureUnsupported
 from portaserve.framework.layer_context import StepContext
 
 from .compile import EagerForward
@@ -151,12 +152,16 @@ class DecodeGraphForward(EagerForward):
         buckets: Sequence[int] | None = None,
     ) -> None:
         super().__init__(model)
-        self.buckets = tuple(buckets) if buckets is not None else decode_buckets(max_num_seqs)
+        if buckets is None:
+            buckets = graphs.batch_sizes or decode_buckets(max_num_seqs)
+        self.buckets = tuple(sorted(b for b in buckets if b <= max_num_seqs)) or (1,)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs = graphs
         self.captured: dict[int, _CapturedDecode] = {}
+        self.unsupported: set[int] = set()  # buckets the recorder refused (GraphCaptureUnsupported)
+        self.unsupported_reason: str | None = None
         self.pad_slot: int | None = None  # set by the runner once the KV cache exists
         self._bucket: int | None = None  # the bucket `prepare` padded the current step to
         self.num_replays = 0
@@ -170,6 +175,7 @@ class DecodeGraphForward(EagerForward):
         cache (or older weights, before a sleep) are dropped."""
         self.pad_slot = num_blocks * self.block_size
         self.captured.clear()
+        self.unsupported.clear()
 
     def prepare(self, batch, input_ids, positions):
         self._bucket = None
@@ -188,11 +194,23 @@ class DecodeGraphForward(EagerForward):
         bucket, self._bucket = self._bucket, None
         if bucket is None or input_ids.shape[0] != bucket:
             return self.model(input_ids, positions, step)
+        if bucket in self.unsupported:
+            return self.model(input_ids, positions, step)
         entry = self.captured.get(bucket)
         if entry is None:
             out = self.model(input_ids, positions, step)  # the real step, and the warm-up
             static = _CapturedDecode(None, input_ids.clone(), positions.clone(), step, out)
-            static.graph, static.output = self.graphs.capture(lambda: self.model(static.input_ids, static.positions, static.step))
+            try:
+                static.graph, static.output = self.graphs.capture(
+                    lambda: self.model(static.input_ids, static.positions, static.step)
+                )
+            except GraphCaptureUnsupported as exc:
+                # this model does work the platform's recorder cannot replay (the same at
+                # every batch size): every decode runs eagerly, as without graphs
+                logger.info("decode graphs: %s; decode steps run eagerly", exc)
+                self.unsupported.update(self.buckets)
+                self.unsupported_reason = str(exc)
+                return out
             self.captured[bucket] = static
             return out
         if not same_structure(entry.step.attn_metadata, step.attn_metadata) or entry.step.kv_caches is not step.kv_caches:

@@ -2,7 +2,7 @@
 
 from .attention import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from .communicator import Communicator
-from .graph_capture import CapturedGraph, GraphCapture
+from .graph_capture import CapturedGraph, GraphCapture, GraphCaptureUnsupported
 from .kv_cache import KVCacheAllocator
 from .model import ModelArchitecture, ModelBuildContext, ModelStepContext
 from .platform import (
@@ -25,6 +25,7 @@ __all__ = [
     "Communicator",
     "DeviceInfo",
     "GraphCapture",
+    "GraphCaptureUnsupported",
     "KVCacheAllocator",
     "ModelArchitecture",
     "ModelBuildContext",

@@ -15,6 +15,12 @@ from typing import Protocol
 import torch
 
 
+class GraphCaptureUnsupported(Exception):
+    """Raised by `GraphCapture.capture` when it cannot record the callable (it runs work
+    the recorder cannot replay). The engine then runs that batch size eagerly, logging
+    the message once; the step itself was already computed eagerly (contract 1.3)."""
+
+
 class CapturedGraph(Protocol):
     """One recording."""
 
@@ -26,6 +32,13 @@ class CapturedGraph(Protocol):
 class GraphCapture(ABC):
     """Records callables on one device; recordings may share one memory pool."""
 
+    #: The decode batch sizes to record, None for the engine's default buckets (1, 2, 4,
+    #: then multiples of 8; smaller batches are padded up to a bucket) (contract 1.3).
+    #: A device where padded rows cost time (a CPU), or whose recordings keep their own
+    #: intermediates alive, or where larger batches amortize the overhead anyway, lists
+    #: exactly the sizes worth it; larger batches then run eagerly.
+    batch_sizes: tuple[int, ...] | None = None
+
     @abstractmethod
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[CapturedGraph, torch.Tensor]:
         """Run `fn` once while recording its device work.
@@ -34,4 +47,5 @@ class GraphCapture(ABC):
         allocated), so recording launches nothing for the first time.
 
         :returns: (the recording, the tensor `fn` returned: each replay overwrites it).
+        :raises GraphCaptureUnsupported: `fn` does work this recorder cannot replay.
         """

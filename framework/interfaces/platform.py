@@ -70,6 +70,10 @@ class PlatformCapabilities:
     compile_backends: Mapping[str, str] = field(default_factory=dict)
     #: The mode used when the user asks for none: whatever was measured faster here.
     default_compilation_mode: str = "none"
+    #: The `compile_backends` values that are graph recorders (`Platform.graph_capture`
+    #: returns one for them), not torch.compile backends: nothing is traced under them,
+    #: so the plan keeps components that cannot be traced (contract 1.3).
+    graph_backends: frozenset[str] = frozenset()
     #: The scheduler's cap on prompt tokens in a step that also carries decodes, used by
     #: `portaserve serve` (max_prefill_tokens_with_decodes="auto"): where prefill is slow
     #: per token, a large prompt chunk stalls every stream that is decoding. Set it from a

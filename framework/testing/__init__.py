@@ -34,7 +34,10 @@ ops and quant methods it contributes. The checks:
 - ``test_platform_models.py``: every model implementation the platform brings for itself
   served by the engine on the platform, against the generic implementation on the host
   platform: greedy tokens and prompt-token logprobs on a tiny checkpoint from the
-  architecture's checkpoint writer.
+  architecture's checkpoint writer;
+- ``test_graph_capture.py``: the platform's graph recorders (``graph_backends``,
+  `Platform.graph_capture`): a recording replays new inputs or is refused, and the engine
+  decodes the same greedy tokens with graphs as without.
 
 When the platform is unavailable every device check fails with the probe's reason
 (skips with ``--allow-unavailable``): a CI job on the wrong machine is never green. The

@@ -2,7 +2,7 @@
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.2"
+PORTASERVE_CONTRACT = "1.3"
 
 
 @hookimpl

@@ -167,6 +167,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         # decodes through the C kernel where it builds (platforms/cpu/native.py), else SDPA
         self._native = native_kernels.load() if spec.causal and spec.dtype in self._NATIVE_DTYPES else None
         self._workspace = torch.empty(0, dtype=torch.float32)
+        self._retired: list[torch.Tensor] = []
 
     # ----- layout ----------------------------------------------------------------------
 
@@ -213,7 +214,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         decode_idx = torch.nonzero(is_decode).flatten()
         native_decodes = None
         if self._native is not None and decode_idx.numel():
-            native_decodes = self._native_decodes(decode_idx, qsl, kv_start, kv_lens, batch.block_table)
+            native_decodes = self._native_decodes(decode_idx, qsl, kv_start, kv_lens, batch.block_table, batch.max_seq_len)
             decode_groups = ()
         else:
             decode_groups = self._decode_groups(decode_idx, qsl, kv_start, kv_lens, block_table)
@@ -246,13 +247,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
             seq_groups += self._runs(qsl_list, qlen_list, qlen_list, fresh)
         return CpuPagedAttentionMetadata(num_tokens, write_rows, decode_groups, tuple(seq_groups), native_decodes)
 
-    def _native_decodes(self, idx, qsl, kv_start, kv_lens, block_table) -> _NativeDecodes:
-        """The C kernel's view of the decodes: int32 arrays and the context split into parts."""
+    def _native_decodes(self, idx, qsl, kv_start, kv_lens, block_table, max_seq_len: int) -> _NativeDecodes:
+        """The C kernel's view of the decodes: int32 arrays and the context split into parts.
+
+        The scratch is sized for every decode at `max_seq_len` keys, not for this step's
+        parts: a padded decode batch (decode_graphs.py, max_seq_len fixed) then keeps the
+        same shapes while its sequences grow, so a recorded graph stays valid."""
         part_len = self.native_part_len
         kv_len = kv_lens[idx]
         parts = torch.zeros(idx.numel() + 1, dtype=torch.int64)
         torch.cumsum((kv_len + part_len - 1) // part_len, 0, out=parts[1:])
-        num_parts = int(parts[-1])
+        num_parts = max(int(parts[-1]), idx.numel() * -(-max(max_seq_len, 1) // part_len))
         ratio = self.num_heads // self.num_kv_heads
         scratch = torch.empty(self._native.scratch_floats(num_parts, self.num_kv_heads, ratio, self.head_size),
                               dtype=torch.float32)
@@ -357,8 +362,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
             n, d = md.num_actual_tokens, self.head_size
             # table: [num_blocks * 2 * num_kv_heads * block_size, head_size]
             table = kv_cache.view(-1, d)
-            table.index_copy_(0, md.write_rows[0], k[:n].reshape(-1, d))
-            table.index_copy_(0, md.write_rows[1], v[:n].reshape(-1, d))
+            if self._native is not None and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype == v.dtype == kv_cache.dtype:
+                # one C call, reading V in place from the qkv projection (no contiguous copy)
+                rows = md.write_rows
+                rc = self._native.kv_write(table.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(), k.data_ptr(),
+                                           k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), n,
+                                           self.num_kv_heads, d, k.element_size())
+                if rc != 0:
+                    raise RuntimeError(f"{self.name}: the C KV-cache write got a negative cache row")
+            else:
+                table.index_copy_(0, md.write_rows[0], k[:n].reshape(-1, d))
+                table.index_copy_(0, md.write_rows[1], v[:n].reshape(-1, d))
         if md.native_decodes is not None:
             self._native_decode(q, kv_cache, md.native_decodes, out)
         for group in md.decode_groups:
@@ -375,6 +389,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
         ratio = self.num_heads // self.num_kv_heads
         need = threads * self._native.workspace_floats(ratio, d, nd.part_len)
         if self._workspace.numel() < need:
+            # the old one stays alive: a recorded decode graph (graphs.py) may point at it
+            self._retired.append(self._workspace)
             self._workspace = torch.empty(need, dtype=torch.float32)
         cap = self.spec.logits_soft_cap
         rc = self._native.paged_decode(

@@ -18,6 +18,8 @@ from portaserve.platforms.cpu import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _workspace = torch.empty(0, dtype=torch.float32)
+# workspaces outgrown: kept alive, since a recorded decode graph (graphs.py) may point at one
+_retired: list[torch.Tensor] = []
 
 
 def _kernels(*tensors: torch.Tensor) -> native.NativeKernels | None:
@@ -31,6 +33,7 @@ def _scratch(floats: int) -> torch.Tensor:
     """A float32 workspace of at least `floats` elements (kept between calls: one step at a time)."""
     global _workspace
     if _workspace.numel() < floats:
+        _retired.append(_workspace)
         _workspace = torch.empty(floats, dtype=torch.float32)
     return _workspace
 

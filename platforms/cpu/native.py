@@ -1,7 +1,8 @@
 """The CPU platform's C kernels: compiled at first use with the machine's C compiler.
 
 `paged_decode.c` (decode attention), `fused_ops.c` (RMSNorm, SiLU-and-mul, rotary) and
-`gguf_matmul.c` (matmuls with GGUF-quantized weights) are plain C with AVX-512 paths where the compiler targets them (`-march=native`), built
+`gguf_matmul.c` (matmuls with GGUF-quantized weights) and `graph_replay.c` (the KV-cache
+write, and decode graphs: recorded kernel calls replayed in one call, see graphs.py) are plain C with AVX-512 paths where the compiler targets them (`-march=native`), built
 into one shared library under portaserve's cache folder (keyed by the sources, the
 compiler, the flags and the CPU, so a second start loads it at once) and called through
 ctypes. Like tinygrad's CPU device or torch.compile's C++ backend, this needs a C
@@ -31,7 +32,7 @@ from pathlib import Path
 logger = logging.getLogger("portaserve")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_decode.c", HERE / "fused_ops.c", HERE / "gguf_matmul.c")
+SOURCES = (HERE / "paged_decode.c", HERE / "fused_ops.c", HERE / "gguf_matmul.c", HERE / "graph_replay.c")
 HEADERS = (HERE / "cpu_simd.h",)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 LIBS = ("-lm",)
@@ -59,9 +60,16 @@ _SIGNATURES = {
     "ps_gguf_matmul": (_I32, [_P, _I64, _I32, _I64, _I64, _P, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32]),
     "ps_gguf_dequantize": (_I32, [_P, _I32, _I32, _P, _P, _I64, _I64, _P, _I32, _I32]),
     "ps_gguf_embedding": (_I32, [_P, _I64, _P, _I32, _I32, _P, _P, _I64, _I64, _P, _I32]),
+    "ps_kv_write": (_I32, [_P, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I32, _I32, _I32]),
+    "ps_graph_replay": (_I64, [_P, _I64]),
     "ps_rotary": (_I32, [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64,
                          _I32, _I32, _I32, _I32, _I32, _I32, _P, _I32]),
 }
+
+
+def entry_points() -> tuple[str, ...]:
+    """Every entry point's attribute name on `NativeKernels` (without the `ps_` prefix)."""
+    return tuple(name.removeprefix("ps_") for name in _SIGNATURES)
 
 
 class NativeKernels:

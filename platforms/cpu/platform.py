@@ -11,6 +11,10 @@ from portaserve.framework.interfaces import SCORE_CPU, DeviceInfo, Platform, Pla
 from portaserve.platforms.cpu.host_allocator import keep_freed_memory
 from portaserve.platforms.cpu import native
 
+#: `compile_backends` name of the CPU's decode graphs (graphs.py; kept here so that the
+#: platform's capabilities import nothing heavy)
+CPU_GRAPHS = "cpu_graphs"
+
 # vLLM's CPU backend defaults to 4 GiB of KV cache; we also stay under a quarter of free RAM.
 DEFAULT_KV_CACHE_GIB = 4.0
 
@@ -81,6 +85,7 @@ class CpuPlatform(Platform):
         )
 
     def capabilities(self) -> PlatformCapabilities:
+        c_kernels = native.enabled()
         return PlatformCapabilities(
             dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
             kv_cache_dtypes=frozenset({"auto"}),
@@ -93,10 +98,14 @@ class CpuPlatform(Platform):
                 | {"sampler_block_reductions", "sampler_reuse_buffers"}
                 | ({"triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())
                 # the C kernels (decode attention, fused ops) build here: native.py
-                | ({"c_kernels"} if native.enabled() else set())
+                | ({"c_kernels"} if c_kernels else set())
             ),
-            compile_backends={"default": "inductor", "max": "inductor"},
-            default_compilation_mode="none",
+            # "default": decode steps of up to 8 sequences replayed from recorded C kernel
+            # calls (graphs.py), where the C kernels build; it halves a SmolLM2 token's time
+            # (BENCHMARKS.md). "max": torch.compile with inductor.
+            compile_backends={"default": CPU_GRAPHS if c_kernels else "inductor", "max": "inductor"},
+            default_compilation_mode="default" if c_kernels else "none",
+            graph_backends=frozenset({CPU_GRAPHS}),
             # A prompt token costs ~2-3 ms of matmul here (a Qwen2-0.5B-shaped model on 2
             # cores), so a step mixing 30 decodes with a whole 2048-token prompt chunk stalls
             # every stream for seconds. `bench serve` at 32 streams (BENCHMARKS.md): ITL p99
@@ -126,6 +135,13 @@ class CpuPlatform(Platform):
     def _default_kv_cache_bytes(self, local_rank: int) -> int:
         available, _total = _meminfo()
         return int(min(DEFAULT_KV_CACHE_GIB * 2**30, available * 0.25))
+
+    def graph_capture(self, compile_backend: str, local_rank: int = 0):
+        if compile_backend != CPU_GRAPHS:
+            return None
+        from portaserve.platforms.cpu.graphs import cpu_graphs
+
+        return cpu_graphs()
 
     def _init_worker(self, local_rank: int) -> None:
         keep_freed_memory()

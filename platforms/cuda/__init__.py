@@ -8,7 +8,7 @@ imported only when the plan binds them.
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.1"
+PORTASERVE_CONTRACT = "1.3"
 
 
 @hookimpl

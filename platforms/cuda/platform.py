@@ -84,6 +84,7 @@ class CudaPlatform(TorchCudaPlatform):
             kv_cache_dtypes=frozenset(kv_dtypes),
             features=frozenset(features),
             compile_backends={"default": CUDA_GRAPHS, "max": "inductor"},
+            graph_backends=frozenset({CUDA_GRAPHS}),
             # Not measured on a GPU yet: eager until BENCHMARKS.md says otherwise.
             default_compilation_mode="none",
             block_sizes=frozenset({16, 32, 64}),

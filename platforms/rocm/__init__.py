@@ -7,7 +7,7 @@ NVIDIA by checking ``torch.version.hip``.
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.1"
+PORTASERVE_CONTRACT = "1.3"
 
 
 @hookimpl

@@ -90,6 +90,7 @@ class RocmPlatform(TorchCudaPlatform):
             kv_cache_dtypes=frozenset(kv_dtypes),
             features=frozenset(features),
             compile_backends={"default": CUDA_GRAPHS, "max": "inductor"},
+            graph_backends=frozenset({CUDA_GRAPHS}),
             default_compilation_mode="none",
             block_sizes=frozenset({16, 32, 64}),
             default_block_size=16,

@@ -65,12 +65,20 @@ def test_plan_compilation_choice():
         _choose_compilation(EngineConfig.create(compilation_mode="max"), tpu)
 
 
-def test_cpu_platform_declares_inductor():
-    from portaserve.platforms.cpu.platform import CpuPlatform
+def test_cpu_platform_declares_graphs_and_inductor(monkeypatch):
+    """With the C kernels, "default" (the CPU's default mode) replays decode graphs of
+    recorded kernel calls; "max" is inductor. Without them: inductor, eager by default."""
+    from portaserve.platforms.cpu.platform import CPU_GRAPHS, CpuPlatform
 
-    caps = CpuPlatform(CpuPlatform.probe()).capabilities()
+    platform = CpuPlatform(CpuPlatform.probe())
+    caps = platform.capabilities()
+    assert dict(caps.compile_backends) == {"default": CPU_GRAPHS, "max": "inductor"}
+    assert caps.default_compilation_mode == "default" and caps.graph_backends == {CPU_GRAPHS}
+    assert platform.graph_capture(CPU_GRAPHS) is not None and platform.graph_capture("inductor") is None
+    monkeypatch.setenv("PORTASERVE_CPU_NATIVE", "0")
+    caps = platform.capabilities()
     assert dict(caps.compile_backends) == {"default": "inductor", "max": "inductor"}
-    assert caps.default_compilation_mode in ("none", "default")
+    assert caps.default_compilation_mode == "none"
 
 
 def test_build_forward_by_backend():
@@ -276,8 +284,8 @@ def test_compiled_greedy_equals_eager(checkpoint, tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     folder = checkpoint("Qwen2ForCausalLM", dtype="float32", tokenizer=True)
     eager = _greedy(LLM(folder, dtype="float32", max_model_len=64, compilation_mode="none"))
-    llm = LLM(folder, dtype="float32", max_model_len=64, compilation_mode="default")
-    assert (llm.plan.compilation.name, llm.plan.compile_backend) == ("default", "inductor")
+    llm = LLM(folder, dtype="float32", max_model_len=64, compilation_mode="max")
+    assert (llm.plan.compilation.name, llm.plan.compile_backend) == ("max", "inductor")
     forward = _runner(llm).forward
     assert isinstance(forward, TorchCompileForward) and len(forward.attention_layers) == 3
     torch._dynamo.utils.counters.clear()
@@ -290,7 +298,7 @@ def test_compiled_greedy_equals_eager(checkpoint, tmp_path, monkeypatch):
     # a second build of the same model reuses them (what makes the second start fast)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    again = LLM(folder, dtype="float32", max_model_len=64, compilation_mode="default")
+    again = LLM(folder, dtype="float32", max_model_len=64, compilation_mode="max")
     assert _greedy(again) == eager
     inductor = torch._dynamo.utils.counters["inductor"]
     assert inductor["fxgraph_cache_hit"] >= 1 and inductor["fxgraph_cache_miss"] == 0, dict(inductor)

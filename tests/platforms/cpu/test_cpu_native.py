@@ -285,7 +285,7 @@ def test_plan_binds_the_c_ops_where_they_build(plugin_env, engine_tiny_config):
 
 def test_plan_leaves_the_c_ops_out_when_compiling_or_disabled(plugin_env, engine_tiny_config):
     # torch.compile cannot trace a ctypes call: inductor fuses the torch references instead
-    assert builtin_ops(_plan(engine_tiny_config, compilation_mode="default")) == REFERENCES
+    assert builtin_ops(_plan(engine_tiny_config, compilation_mode="max")) == REFERENCES
     plugin_env.setenv("PORTASERVE_CPU_NATIVE", "0")
     plan = _plan(engine_tiny_config)
     assert builtin_ops(plan) == REFERENCES and "c_kernels" not in plan.platform_features

@@ -105,7 +105,7 @@ def test_plan_uses_it_for_none_on_cpu_unless_compiling(plugin_env):
         else:
             assert plan.quantization.name == "none"
             assert dict(plan.quantization.rejected)["onednn"].startswith("this CPU's oneDNN has no")
-    compiled = resolve_plan(EngineConfig(dtype="float32", compilation_mode="default"), registry, platform, hf)
+    compiled = resolve_plan(EngineConfig(dtype="float32", compilation_mode="max"), registry, platform, hf)
     assert compiled.quantization.name == "none"
     assert "torch.compile" in dict(compiled.quantization.rejected)["onednn"]
     # an explicitly named method is not replaced: --quantization none is plain F.linear
