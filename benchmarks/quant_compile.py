@@ -287,8 +287,8 @@ def main() -> None:
     all_configs = {
         "bf16-eager": {"dtype": "bfloat16", "compilation_mode": "none"},
         "int8-eager": {"dtype": "bfloat16", "quantization": "int8", "compilation_mode": "none"},
-        "bf16-compiled": {"dtype": "bfloat16", "compilation_mode": "default"},
-        "int8-compiled": {"dtype": "bfloat16", "quantization": "int8", "compilation_mode": "default"},
+        "bf16-compiled": {"dtype": "bfloat16", "compilation_mode": "max"},
+        "int8-compiled": {"dtype": "bfloat16", "quantization": "int8", "compilation_mode": "max"},
     }
     configs = {n: all_configs[n] for n in args.configs.split(",")}
     batches = [int(b) for b in args.batches.split(",")]
@@ -303,7 +303,7 @@ def main() -> None:
     if "decode" not in skip:
         res["decode"] = bench_decode(ckpt, configs, batches, args.reps, args.steps, args.prompt_len, args.threads)
     if "start" not in skip:
-        compiled = {k: v for k, v in configs.items() if v.get("compilation_mode") == "default"}
+        compiled = {k: v for k, v in configs.items() if v.get("compilation_mode") == "max"}
         eager = {k: v for k, v in configs.items() if v.get("compilation_mode") == "none"}
         runs = {}
         if eager:

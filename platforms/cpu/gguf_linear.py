@@ -6,12 +6,13 @@ quantized to int8 per block of 32 values and multiplied by the weight codes with
 vpdpbusd, elsewhere a float loop reads the codes. Embedding rows are dequantized in C as
 well. The plan picks it wherever the C kernels build (the platform declares "c_kernels").
 
-From `DEQUANTIZE_ROWS` (16) rows of x on (a prefill, a batch of 16+ decodes) the layer's
+From `DEQUANTIZE_ROWS` (12) rows of x on (a prefill, a batch of 12+ decodes) the layer's
 weight is expanded to the activation dtype once per call (ps_gguf_dequantize, a few MB
 at a time) and multiplied by oneDNN's GEMM. Measured on the 2-core AVX-512 machine over
-one SmolLM2 layer's four matmuls: the int8 dot products cost ~50 us per row of x, the
-expanded weight ~0.7 ms plus ~15 us per row (equal at 16 rows, 2.6x faster at 128);
-a decode's few rows stay with the dot products, which read 4-5 bits a weight, not 16.
+one SmolLM2 layer's four matmuls (`benchmarks/gguf_kernels.py`): the int8 dot products
+cost ~50 us per row of x; expanding the weight ~0.2 ms and the GEMM ~0.25 ms plus ~15 us
+per row (about equal at 12 rows, 1.6x faster at 32); a decode's few rows stay with the
+dot products, which read 4-5 bits a weight, not 16.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from . import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: rows of x from which a matmul dequantizes the weight and runs the platform's GEMM
-DEQUANTIZE_ROWS = 16
+DEQUANTIZE_ROWS = 12
 
 
 def gguf_matmul(kernels: native.NativeKernels, x: torch.Tensor, packed: PackedGGUF, bias: torch.Tensor | None,

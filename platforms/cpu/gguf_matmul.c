@@ -333,10 +333,11 @@ int ps_gguf_dequantize(const uint8_t *w, int bits, int group, const uint16_t *sc
                 c1 = _mm_and_si128(_mm_srli_epi16(v, 4), n4);
             }
             int64_t g0 = group == 32 ? b : 2 * b, g1 = group == 32 ? b : 2 * b + 1;
-            __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), _mm512_set1_ps(f16_to_f32(scales[n * ng + g0])),
-                                        _mm512_set1_ps(f16_to_f32(mins[n * ng + g0])));
-            __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), _mm512_set1_ps(f16_to_f32(scales[n * ng + g1])),
-                                        _mm512_set1_ps(f16_to_f32(mins[n * ng + g1])));
+            /* _cvtsh_ss: the hardware conversion (f16_to_f32 is too, on these builds) */
+            __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), _mm512_set1_ps(_cvtsh_ss(scales[n * ng + g0])),
+                                        _mm512_set1_ps(_cvtsh_ss(mins[n * ng + g0])));
+            __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), _mm512_set1_ps(_cvtsh_ss(scales[n * ng + g1])),
+                                        _mm512_set1_ps(_cvtsh_ss(mins[n * ng + g1])));
             store16(on + (b * 32) * (out_dtype == PS_F32 ? 4 : 2), v0, 16, out_dtype);
             store16(on + (b * 32 + 16) * (out_dtype == PS_F32 ? 4 : 2), v1, 16, out_dtype);
 #else

@@ -127,7 +127,7 @@ class CpuGraphs(GraphCapture):
 
     #: Every size up to 8, unpadded: a padded row costs ~1.5 ms of matmuls per step for
     #: SmolLM2 here, as much as the Python a recording saves. Past a few decodes the step
-    #: is matmul-bound anyway (from 16 rows it switches to oneDNN, which a recording
+    #: is matmul-bound anyway (from 12 rows it switches to oneDNN, which a recording
     #: cannot replay), and every recording keeps its own activations alive.
     batch_sizes = tuple(range(1, 9))
 
