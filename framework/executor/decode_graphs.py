@@ -205,10 +205,10 @@ class DecodeGraphForward(EagerForward):
                     lambda: self.model(static.input_ids, static.positions, static.step)
                 )
             except GraphCaptureUnsupported as exc:
-                # this model does work the platform's recorder cannot replay (the same at
-                # every batch size): every decode runs eagerly, as without graphs
-                logger.info("decode graphs: %s; decode steps run eagerly", exc)
-                self.unsupported.update(self.buckets)
+                # work the platform's recorder cannot replay, or memory it will not spend:
+                # no larger batch would do better, so from this size on decodes run eagerly
+                logger.info("decode graphs: %s; decode steps of %d+ sequences run eagerly", exc, bucket)
+                self.unsupported.update(b for b in self.buckets if b >= bucket)
                 self.unsupported_reason = str(exc)
                 return out
             self.captured[bucket] = static

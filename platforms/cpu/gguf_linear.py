@@ -6,13 +6,22 @@ quantized to int8 per block of 32 values and multiplied by the weight codes with
 vpdpbusd, elsewhere a float loop reads the codes. Embedding rows are dequantized in C as
 well. The plan picks it wherever the C kernels build (the platform declares "c_kernels").
 
-From `DEQUANTIZE_ROWS` (12) rows of x on (a prefill, a batch of 12+ decodes) the layer's
-weight is expanded to the activation dtype once per call (ps_gguf_dequantize, a few MB
-at a time) and multiplied by oneDNN's GEMM. Measured on the 2-core AVX-512 machine over
-one SmolLM2 layer's four matmuls (`benchmarks/gguf_kernels.py`): the int8 dot products
-cost ~50 us per row of x; expanding the weight ~0.2 ms and the GEMM ~0.25 ms plus ~15 us
-per row (about equal at 12 rows, 1.6x faster at 32); a decode's few rows stay with the
-dot products, which read 4-5 bits a weight, not 16.
+By rows of x (M), measured on the 2-core AVX-512 machine over one SmolLM2 layer's four
+matmuls (`benchmarks/gguf_kernels.py`, Q4_1, ms per layer):
+
+| M | int8 dot products | bf16 small-batch GEMM (gguf_gemm.c) | expand + oneDNN GEMM |
+|---|---|---|---|
+| 1 | 0.10 | 0.23 | 0.47 |
+| 8 | 0.38 | 0.32 | 0.57 |
+| 32 | 1.50 | 0.82 | 0.96 |
+| 128 | 6.49 | 3.12 | 3.68 |
+| 512 | 26.1 | 11.8 | 10.4 |
+
+so bf16 activations take the int8 dot products below `GEMM_ROWS` (4) rows, the
+small-batch GEMM (4 weight rows expanded at a time in L1, AVX512-BF16) below
+`DEQUANTIZE_ROWS` (192), and beyond that (prompts) the weight expanded once per call to
+bf16 (ps_gguf_dequantize) and oneDNN's GEMM. float32 activations, or a CPU without
+AVX512-BF16, switch from the dot products to oneDNN at `DEQUANTIZE_ROWS_F32` (12).
 """
 
 from __future__ import annotations
@@ -29,8 +38,12 @@ from portaserve.framework.quantization.gguf_layout import PackedGGUF
 from . import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: rows of bf16 x from which the small-batch GEMM (gguf_gemm.c) replaces the int8 dot products
+GEMM_ROWS = 4
 #: rows of x from which a matmul dequantizes the weight and runs the platform's GEMM
-DEQUANTIZE_ROWS = 12
+DEQUANTIZE_ROWS = 192
+#: the same without the small-batch GEMM (float32 x, or no AVX512-BF16)
+DEQUANTIZE_ROWS_F32 = 12
 
 
 def gguf_matmul(kernels: native.NativeKernels, x: torch.Tensor, packed: PackedGGUF, bias: torch.Tensor | None,
@@ -72,6 +85,7 @@ class CpuGGUFMethod(GGUFMethod):
 
     def _prepare(self, layer: nn.Module, packed: PackedGGUF) -> None:
         self._kernels = native.load()  # None: the framework's torch path (logged by native)
+        self._gemm = self._kernels is not None and bool(self._kernels.gguf_gemm_available())
         # A decode step calls ~120 of these for one token: everything that does not change
         # per call (pointers, sizes, the float32 bias) is computed once here.
         n, k = packed.shape
@@ -88,7 +102,8 @@ class CpuGGUFMethod(GGUFMethod):
             x2 = x2.contiguous()
         m = x2.shape[0]
         k, w, bits, group, scales, mins, n = self._fixed
-        if m >= DEQUANTIZE_ROWS and x.dtype in (torch.bfloat16, torch.float32):
+        gemm = self._gemm and x.dtype == torch.bfloat16
+        if m >= (DEQUANTIZE_ROWS if gemm else DEQUANTIZE_ROWS_F32) and x.dtype in (torch.bfloat16, torch.float32):
             weight = torch.empty(n, k, dtype=x.dtype)
             rc = kernels.gguf_dequantize(w, bits, group, scales, mins, n, k, weight.data_ptr(), _DTYPES[x.dtype],
                                          torch.get_num_threads())
@@ -105,8 +120,9 @@ class CpuGGUFMethod(GGUFMethod):
             else:
                 b = bias.float().contiguous()
             code = _DTYPES[x.dtype]
-            rc = kernels.gguf_matmul(x2.data_ptr(), x2.stride(0), code, m, k, w, bits, group, scales, mins, n,
-                                     None if b is None else b.data_ptr(), y.data_ptr(), n, code, torch.get_num_threads())
+            fn = kernels.gguf_gemm if gemm and m >= GEMM_ROWS else kernels.gguf_matmul
+            rc = fn(x2.data_ptr(), x2.stride(0), code, m, k, w, bits, group, scales, mins, n,
+                    None if b is None else b.data_ptr(), y.data_ptr(), n, code, torch.get_num_threads())
             if rc != 0:
                 raise RuntimeError(f"{self.prefix}: ps_gguf_matmul failed ({rc}) for x {tuple(x2.shape)}")
         return y.reshape(*x.shape[:-1], n)

@@ -58,6 +58,9 @@ int ps_rotary(const int64_t *index, const void *q, int64_t q_stride, int64_t q_h
 int ps_gguf_matmul(const void *x, int64_t x_stride, int x_dtype, int64_t M, int64_t K, const uint8_t *w, int bits,
                    int group, const uint16_t *scales, const uint16_t *mins, int64_t N, const float *bias, void *y,
                    int64_t y_stride, int y_dtype, int nthreads);
+int ps_gguf_gemm(const void *x, int64_t x_stride, int x_dtype, int64_t M, int64_t K, const uint8_t *w, int bits,
+                 int group, const uint16_t *scales, const uint16_t *mins, int64_t N, const float *bias, void *y,
+                 int64_t y_stride, int y_dtype, int nthreads);
 int ps_gguf_dequantize(const uint8_t *w, int bits, int group, const uint16_t *scales, const uint16_t *mins, int64_t N,
                        int64_t K, void *out, int out_dtype, int nthreads);
 int ps_gguf_embedding(const int64_t *ids, int64_t count, const uint8_t *w, int bits, int group, const uint16_t *scales,
@@ -81,6 +84,7 @@ enum {
     K_GGUF_DEQUANTIZE = 6,
     K_GGUF_EMBEDDING = 7,
     K_KV_WRITE = 8,
+    K_GGUF_GEMM = 9,
 };
 
 static inline float as_f32(int64_t slot) {
@@ -120,6 +124,10 @@ int64_t ps_graph_replay(const ps_graph_op *ops, int64_t count) {
         case K_GGUF_MATMUL:
             rc = ps_gguf_matmul(P(0), I(1), N(2), I(3), I(4), P(5), N(6), N(7), P(8), P(9), I(10), P(11), P(12), I(13),
                                 N(14), N(15));
+            break;
+        case K_GGUF_GEMM:
+            rc = ps_gguf_gemm(P(0), I(1), N(2), I(3), I(4), P(5), N(6), N(7), P(8), P(9), I(10), P(11), P(12), I(13),
+                              N(14), N(15));
             break;
         case K_GGUF_DEQUANTIZE:
             rc = ps_gguf_dequantize(P(0), N(1), N(2), P(3), P(4), I(5), I(6), P(7), N(8), N(9));

@@ -8,8 +8,10 @@ launches of one step and replaying them; this does that for the C kernels:
 
 - `capture(fn)` runs the step once eagerly while every kernel call is recorded (its id
   and its arguments, pointers included) and a torch dispatch mode watches the aten ops.
-  Ops that only allocate or view (`empty`, `view`, `slice`, ...) are allowed, and every
-  tensor they produce is kept alive with the recording, so each pointer stays valid. Any
+  Ops that only allocate or view (`empty`, `view`, `slice`, ...) are allowed. New tensors
+  are carved from one arena that every recording shares (`Arena`: replays never overlap,
+  as CUDA graphs share a memory pool), at most `PORTASERVE_CPU_GRAPH_MEMORY_MB` (256),
+  and every tensor is kept alive with the recording, so each pointer stays valid. Any
   op that computes (an `index_copy_`, a `.item()`, a oneDNN matmul) means the step does
   work a replay would skip, so capture raises `GraphCaptureUnsupported` and the engine
   keeps that batch size eager. Non-recordable entry points refuse the same way.
@@ -25,7 +27,9 @@ recording points at (`DecodeGraphForward`), as for CUDA graphs.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,9 +53,10 @@ KERNEL_IDS = {
     "gguf_dequantize": 6,
     "gguf_embedding": 7,
     "kv_write": 8,
+    "gguf_gemm": 9,
 }
 #: entry points that only compute a size or report a feature: called as usual
-QUERIES = frozenset({"workspace_floats", "scratch_floats", "fused_workspace_floats", "gguf_vnni"})
+QUERIES = frozenset({"workspace_floats", "scratch_floats", "fused_workspace_floats", "gguf_vnni", "gguf_gemm_available"})
 MAX_ARGS = 24
 
 #: aten ops that allocate or view and compute nothing: allowed while recording
@@ -83,21 +88,111 @@ def _slot(value: Any, argtype: Any) -> int:
     return int(value)
 
 
-class _WatchOps(TorchDispatchMode):
-    """Refuses aten ops that compute; keeps every tensor produced while recording alive."""
+class Arena:
+    """The memory every recording's new tensors are carved from, shared by all recordings.
 
-    def __init__(self) -> None:
+    Replays never overlap (one step at a time), and a recording's intermediates mean
+    nothing outside its replay, so each recording allocates from the start of the same
+    chunks, like CUDA graphs sharing one memory pool: the memory is the largest
+    recording's, not the sum. A recording's output is overwritten by the next replay of
+    another; the engine reads it before that (the step's logits)."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.chunks: list[torch.Tensor] = []
+        self.chunk = self.offset = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether t's data lies in the arena."""
+        p = t.data_ptr()
+        return any(c.data_ptr() <= p < c.data_ptr() + c.numel() for c in self.chunks)
+
+    def rewind(self) -> None:
+        self.chunk = self.offset = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """nbytes (64-byte aligned) as a uint8 tensor viewing the arena."""
+        nbytes = max(64, -(-nbytes // 64) * 64)
+        while True:
+            if self.chunk == len(self.chunks):
+                size = max(self.CHUNK, nbytes)
+                if self.reserved_bytes + size > self.limit:
+                    raise GraphCaptureUnsupported(
+                        f"a recording needs more than the {self.limit >> 20} MiB of CPU graph memory "
+                        "(PORTASERVE_CPU_GRAPH_MEMORY_MB)")
+                self.chunks.append(torch.empty(size, dtype=torch.uint8))
+            chunk = self.chunks[self.chunk]
+            if self.offset + nbytes <= chunk.numel():
+                view = chunk[self.offset : self.offset + nbytes]
+                self.offset += nbytes
+                return view
+            self.chunk, self.offset = self.chunk + 1, 0
+
+
+_EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+
+
+class _WatchOps(TorchDispatchMode):
+    """Refuses aten ops that compute; gives new tensors arena memory; keeps every tensor
+    produced while recording alive."""
+
+    def __init__(self, arena: Arena) -> None:
         super().__init__()
-        self.keep: list[torch.Tensor] = []
+        self.arena = arena
+        self.keep: dict[int, torch.Tensor] = {}  # by id: identity ops return a tensor again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _EMPTY and kwargs.get("device") in (None, torch.device("cpu")):
+            out = self._from_arena(func, args, kwargs)
+            if out is not None:
+                self.keep[id(out)] = out
+                return out
+        out = func(*args, **kwargs)
         # `.to()` / `.contiguous()` of a tensor already so return it: nothing computed
         identity = bool(args) and out is args[0]
         if func.overloadpacket not in NO_COMPUTE and not identity:
             raise GraphCaptureUnsupported(f"the step runs {func}, which a CPU graph cannot replay")
-        self.keep.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        if not identity:  # a tensor made before recording, returned as it is
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.keep[id(t)] = t
         return out
+
+    def _from_arena(self, func, args, kwargs) -> torch.Tensor | None:
+        """A new contiguous tensor of the requested shape and dtype in the arena (None: a
+        layout this does not handle, allocated as usual)."""
+        shape = [int(d) for d in args[0]]
+        if func is torch.ops.aten.empty_strided.default and [int(s) for s in args[1]] != _contiguous_strides(shape):
+            return None
+        if kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory"):
+            return None
+        if kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+            return None
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * _element_size(dtype)
+        return self.arena.take(nbytes)[:nbytes].view(dtype).view(shape)
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return strides[::-1]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8 if dtype != torch.bool else 1
 
 
 class CpuGraph:
@@ -125,14 +220,16 @@ class CpuGraph:
 class CpuGraphs(GraphCapture):
     """Records the C kernel calls of a decode step (see the module docstring)."""
 
-    #: Every size up to 8, unpadded: a padded row costs ~1.5 ms of matmuls per step for
-    #: SmolLM2 here, as much as the Python a recording saves. Past a few decodes the step
-    #: is matmul-bound anyway (from 12 rows it switches to oneDNN, which a recording
-    #: cannot replay), and every recording keeps its own activations alive.
-    batch_sizes = tuple(range(1, 9))
+    #: Every size up to 32, unpadded: a padded row costs ~0.7 ms of matmuls per step for
+    #: SmolLM2 here, a good part of what a recording saves. Past 32 decodes the step is
+    #: matmul-bound, and the Python around it matters little.
+    batch_sizes = tuple(range(1, 33))
 
-    def __init__(self, kernels: native.NativeKernels | None) -> None:
+    def __init__(self, kernels: native.NativeKernels | None, memory_bytes: int | None = None) -> None:
         self.kernels = kernels
+        if memory_bytes is None:
+            memory_bytes = int(os.environ.get("PORTASERVE_CPU_GRAPH_MEMORY_MB", "256")) << 20
+        self.arena = Arena(memory_bytes)
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[CpuGraph, torch.Tensor]:
         if self.kernels is None:
@@ -142,7 +239,8 @@ class CpuGraphs(GraphCapture):
         for name in native.entry_points():
             originals[name] = getattr(self.kernels, name)
             setattr(self.kernels, name, self._recording(name, originals[name], calls))
-        watch = _WatchOps()
+        self.arena.rewind()
+        watch = _WatchOps(self.arena)
         try:
             with watch:
                 out = fn()
@@ -151,7 +249,19 @@ class CpuGraphs(GraphCapture):
                 setattr(self.kernels, name, fn_)
         if not isinstance(out, torch.Tensor):
             raise GraphCaptureUnsupported(f"the step returned {type(out).__name__}, not one tensor")
-        graph = CpuGraph(self.kernels, calls, [*watch.keep, out])
+        # The arena owns the bytes of the tensors made while recording, so their Python
+        # objects may go; one still held elsewhere after that (a workspace created or grown
+        # lazily, a cache) would share arena bytes with the next recording's intermediates.
+        # The caller's eager run should have made those already.
+        made = [weakref.ref(t) for t in watch.keep.values() if t is not out and self.arena.holds(t)]
+        keep = [t for t in watch.keep.values() if not self.arena.holds(t)]  # their own memory: kept
+        watch.keep.clear()
+        escaped = [t for t in (r() for r in made) if t is not None]
+        if escaped:
+            shapes = ", ".join(str(tuple(t.shape)) for t in escaped[:3])
+            raise GraphCaptureUnsupported(f"tensors made while recording outlive the step ({shapes}): a lazily made "
+                                          "workspace or cache; run the step eagerly once first")
+        graph = CpuGraph(self.kernels, calls, [*keep, out, self.arena])
         expected = out.clone()
         graph.replay()
         if not torch.equal(out, expected):

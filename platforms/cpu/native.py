@@ -1,7 +1,8 @@
 """The CPU platform's C kernels: compiled at first use with the machine's C compiler.
 
 `paged_decode.c` (decode attention), `fused_ops.c` (RMSNorm, SiLU-and-mul, rotary) and
-`gguf_matmul.c` (matmuls with GGUF-quantized weights) and `graph_replay.c` (the KV-cache
+`gguf_matmul.c` / `gguf_gemm.c` (matmuls with GGUF-quantized weights: int8 dot products
+for a few rows, a bf16 small-batch GEMM for more) and `graph_replay.c` (the KV-cache
 write, and decode graphs: recorded kernel calls replayed in one call, see graphs.py) are plain C with AVX-512 paths where the compiler targets them (`-march=native`), built
 into one shared library under portaserve's cache folder (keyed by the sources, the
 compiler, the flags and the CPU, so a second start loads it at once) and called through
@@ -32,7 +33,8 @@ from pathlib import Path
 logger = logging.getLogger("portaserve")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_decode.c", HERE / "fused_ops.c", HERE / "gguf_matmul.c", HERE / "graph_replay.c")
+SOURCES = (HERE / "paged_decode.c", HERE / "fused_ops.c", HERE / "gguf_matmul.c", HERE / "gguf_gemm.c",
+           HERE / "graph_replay.c")
 HEADERS = (HERE / "cpu_simd.h",)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 LIBS = ("-lm",)
@@ -58,6 +60,8 @@ _SIGNATURES = {
     "ps_silu_and_mul": (_I32, [_P, _I64, _P, _I64, _I32, _I32, _I32]),
     "ps_gguf_vnni": (_I32, []),
     "ps_gguf_matmul": (_I32, [_P, _I64, _I32, _I64, _I64, _P, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32]),
+    "ps_gguf_gemm_available": (_I32, []),
+    "ps_gguf_gemm": (_I32, [_P, _I64, _I32, _I64, _I64, _P, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32]),
     "ps_gguf_dequantize": (_I32, [_P, _I32, _I32, _P, _P, _I64, _I64, _P, _I32, _I32]),
     "ps_gguf_embedding": (_I32, [_P, _I64, _P, _I32, _I32, _P, _P, _I64, _I64, _P, _I32]),
     "ps_kv_write": (_I32, [_P, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I32, _I32, _I32]),

@@ -56,7 +56,8 @@ def int8_everywhere(monkeypatch):
     weight expanded to the activation dtype, which is exact): what decode computes."""
     from portaserve.platforms.cpu import gguf_linear
 
-    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_ROWS", 1 << 30)
+    for name in ("GEMM_ROWS", "DEQUANTIZE_ROWS", "DEQUANTIZE_ROWS_F32"):
+        monkeypatch.setattr(gguf_linear, name, 1 << 30)
 
 
 def test_perplexity_within_one_percent_of_the_dequantized_path(engines, int8_everywhere):

@@ -134,7 +134,7 @@ def test_dequantize_matches_the_reference(kernels, bits, group):
 
 
 def test_a_prefill_multiplies_through_the_dequantized_weight(kernels, monkeypatch):
-    """From DEQUANTIZE_ROWS rows of x the layer runs the platform GEMM on the expanded
+    """From DEQUANTIZE_ROWS_F32 rows of float32 x the layer runs the platform GEMM on the expanded
     weight: the float matmul's result, without the int8 activations' error."""
     from torch import nn
 
@@ -149,7 +149,68 @@ def test_a_prefill_multiplies_through_the_dequantized_weight(kernels, monkeypatc
     for name in ("weight", "weight_scale", "weight_min", "bias"):
         getattr(layer, name).data.copy_(tensors[name])
     method.process_weights_after_loading(layer)
-    x = torch.randn(gguf_linear.DEQUANTIZE_ROWS + 3, 96, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(gguf_linear.DEQUANTIZE_ROWS_F32 + 3, 96, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ tensors["reference_weight"].double().T + tensors["bias"].double()
     assert rel(method.apply(layer, x, layer.bias), ref) < 1e-5
     assert rel(method.apply(layer, x[:3], layer.bias), ref[:3]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+def test_small_batch_gemm_is_the_bf16_matmul_of_the_expanded_weight(type_name):
+    """ps_gguf_gemm (bf16 x, 4..191 rows): the weight rounded to bf16 times x, float32
+    sums; odd row counts of x and W (tiles of 4 by 4 with ragged edges), 16- and 32-wide
+    groups, a bias, each output dtype; float32 x is refused (-2) for the other paths."""
+    kernels = native.load()
+    if not kernels.gguf_gemm_available():
+        pytest.skip("this CPU has no AVX512-BF16: the small-batch GEMM is not built")
+    rng = np.random.default_rng(7)
+    per_block = BLOCK_TYPES[type_name][0]
+    n, k = 37, per_block * (3 if per_block == 32 else 2)
+    raw = random_blocks(type_name, n, k, rng)
+    packed = pack(*(torch.from_numpy(p) for p in decompose(raw, type_name, (n, k))))
+    weight = dequantize_packed(packed).float().to(torch.bfloat16).double()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    for m in (1, 4, 7, 17, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        ref = x.double() @ weight.T + bias.double()
+        for out_dtype, code in ((torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)):
+            y = torch.full((m, n + 3), float("nan"), dtype=out_dtype)  # row stride n + 3: only [:, :n] written
+            rc = kernels.gguf_gemm(x.data_ptr(), k, 1, m, k, packed.qweight.data_ptr(), packed.bits, packed.group,
+                                   packed.scales.data_ptr(), packed.mins.data_ptr(), n, bias.data_ptr(), y.data_ptr(),
+                                   n + 3, code, 2)
+            assert rc == 0
+            assert y[:, n:].isnan().all()
+            tol = 1e-5 if out_dtype == torch.float32 else 8e-3
+            assert rel(y[:, :n], ref) < tol, (type_name, m, out_dtype, rel(y[:, :n], ref))
+    xf = torch.randn(4, k)
+    assert kernels.gguf_gemm(xf.data_ptr(), k, 0, 4, k, packed.qweight.data_ptr(), packed.bits, packed.group,
+                             packed.scales.data_ptr(), packed.mins.data_ptr(), n, None, xf.data_ptr(), k, 0, 1) == -2
+
+
+def test_the_layer_takes_the_small_batch_gemm_between_its_thresholds(monkeypatch):
+    """bf16 x of GEMM_ROWS..DEQUANTIZE_ROWS - 1 rows goes through ps_gguf_gemm: exactly
+    its result, which is within bf16 rounding of the expanded weight's matmul."""
+    from torch import nn
+
+    from portaserve.platforms.cpu import gguf_linear
+
+    kernels = native.load()
+    if not kernels.gguf_gemm_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    calls = []
+    real = kernels.gguf_gemm
+    monkeypatch.setattr(kernels, "gguf_gemm", lambda *a: calls.append(a[3]) or real(*a))
+    method = gguf_linear.CpuGGUFMethod()
+    method.platform_features = frozenset({"c_kernels"})
+    layer = nn.Module()
+    method.create_weights(layer, 96, 40, torch.bfloat16, False)
+    tensors = gguf_linear.CpuGGUFMethod.conformance_weights(96, 40, torch.bfloat16, torch.Generator().manual_seed(0))
+    for name in ("weight", "weight_scale", "weight_min"):
+        getattr(layer, name).data.copy_(tensors[name])
+    method.process_weights_after_loading(layer)
+    for m in (gguf_linear.GEMM_ROWS - 1, gguf_linear.GEMM_ROWS, 33, gguf_linear.DEQUANTIZE_ROWS - 1,
+              gguf_linear.DEQUANTIZE_ROWS):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        ref = x.double() @ tensors["reference_weight"].double().T
+        assert rel(method.apply(layer, x), ref) < TOL[torch.bfloat16]
+    assert calls == [gguf_linear.GEMM_ROWS, 33, gguf_linear.DEQUANTIZE_ROWS - 1]

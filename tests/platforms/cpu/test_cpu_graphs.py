@@ -55,8 +55,9 @@ def test_a_replay_recomputes_from_the_inputs_current_values(dtype):
     torch.manual_seed(0)
     x = torch.randn(3, 128).to(dtype)
     w = torch.randn(128).to(dtype)
+    want = _norm_then_act(x, w)  # the eager run the contract asks for first
     graph, out = CpuGraphs(kernels).capture(lambda: _norm_then_act(x, w))
-    assert graph.num_ops == 2 and torch.equal(out, _norm_then_act(x, w))
+    assert graph.num_ops == 2 and torch.equal(out, want)
     x.copy_(torch.randn(3, 128).to(dtype))
     graph.replay()
     assert torch.equal(out, _norm_then_act(x, w))  # the new input, through the recorded calls
@@ -66,6 +67,49 @@ def test_a_replay_recomputes_from_the_inputs_current_values(dtype):
     gc.collect()
     graph.replay()
     assert torch.equal(out, _norm_then_act(x, w))
+
+
+def test_recordings_share_one_arena_and_each_replays_right():
+    """Tensors made while recording come from one arena that every recording reuses from
+    its start (replays never overlap): two recordings reserve one recording's memory, and
+    replaying them in turn gives each its own right answer."""
+    torch.manual_seed(0)
+    w = torch.randn(256).to(torch.bfloat16)
+    xa, xb = torch.randn(3, 256).to(torch.bfloat16), torch.randn(5, 256).to(torch.bfloat16)
+    graphs = CpuGraphs(kernels)
+    _norm_then_act(xb, w)  # the eager run the contract asks for first (the kernels' workspaces)
+    ga, out_a = graphs.capture(lambda: _norm_then_act(xa, w))
+    reserved = graphs.arena.reserved_bytes
+    gb, out_b = graphs.capture(lambda: _norm_then_act(xb, w))
+    assert graphs.arena.reserved_bytes == reserved > 0
+    chunk = graphs.arena.chunks[0]
+    for out in (out_a, out_b):  # both in the same arena bytes: each replay rewrites them
+        assert chunk.data_ptr() <= out.data_ptr() < chunk.data_ptr() + chunk.numel()
+    for x, graph, out in ((xa, ga, out_a), (xb, gb, out_b), (xa, ga, out_a)):
+        x.copy_(torch.randn(x.shape).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, _norm_then_act(x, w))
+
+
+def test_a_tensor_made_while_recording_must_not_outlive_the_step():
+    """A workspace grown lazily while recording would sit in arena bytes the next
+    recording reuses: refused, naming the cause."""
+    w = torch.randn(3000)
+    x = torch.randn(2, 3000)
+    kept = []
+
+    def step():
+        kept.append(torch.empty(8))  # a cache filled during the step
+        return fused_ops.rms_norm(x, w, 1e-6)
+
+    with pytest.raises(GraphCaptureUnsupported, match="outlive the step"):
+        CpuGraphs(kernels).capture(step)
+
+
+def test_a_recording_past_the_memory_limit_is_refused():
+    x, w = torch.randn(64, 4096), torch.randn(4096)
+    with pytest.raises(GraphCaptureUnsupported, match="PORTASERVE_CPU_GRAPH_MEMORY_MB"):
+        CpuGraphs(kernels, memory_bytes=512 << 10).capture(lambda: fused_ops.rms_norm(x, w, 1e-6))
 
 
 def test_capture_refuses_work_it_cannot_replay():
@@ -99,7 +143,7 @@ def _engine_outputs(path, prompts, params, **kw):
 
 @pytest.mark.timeout(300)
 def test_graph_decode_equals_eager_on_a_quantized_gguf(tmp_path, monkeypatch):
-    """The default engine on a GGUF file replays decode steps of 1-8 sequences from
+    """The default engine on a GGUF file replays decode steps of 1-32 sequences from
     recordings: the same tokens and log-probabilities as eager, while batches shrink from
     10 sequences to 1, contexts cross several attention parts (the part length is cut to
     16 keys here), and a tight KV budget preempts sequences."""
@@ -113,8 +157,8 @@ def test_graph_decode_equals_eager_on_a_quantized_gguf(tmp_path, monkeypatch):
     eager, forward = _engine_outputs(path, prompts, params, compilation_mode="none", num_gpu_blocks_override=14)
     assert type(forward).__name__ == "EagerForward"
     graphs, forward = _engine_outputs(path, prompts, params, num_gpu_blocks_override=14)
-    assert isinstance(forward, DecodeGraphForward) and forward.buckets == tuple(range(1, 9))
-    assert not forward.unsupported and forward.num_replays > 50 and len(forward.captured) == 8
+    assert isinstance(forward, DecodeGraphForward) and forward.buckets == tuple(range(1, 33))
+    assert not forward.unsupported and forward.num_replays > 50 and len(forward.captured) >= 8
     assert forward.preemptions > 0
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(graphs, eager, strict=True):
         assert tokens == want_tokens
@@ -133,5 +177,6 @@ def test_a_model_with_unrecordable_work_decodes_eagerly(checkpoint):
     eager, _ = _engine_outputs(folder, prompts, params, compilation_mode="none")
     outs, forward = _engine_outputs(folder, prompts, params)
     assert isinstance(forward, DecodeGraphForward) and forward.num_replays == 0
-    assert forward.unsupported == set(forward.buckets) and "cannot replay" in forward.unsupported_reason
+    # refused at the first decode batch (2 sequences): that size and every larger one
+    assert forward.unsupported == set(range(2, 33)) and "cannot replay" in forward.unsupported_reason
     assert outs == eager
