@@ -69,15 +69,26 @@ def test_perplexity_within_one_percent_of_the_dequantized_path(engines, int8_eve
     assert abs(ppl_q - ppl_f) / ppl_f < 0.01, (ppl_q, ppl_f)
 
 
-def test_greedy_continuations_mostly_agree(engines):
+def test_greedy_continuations_mostly_agree(engines, int8_everywhere):
+    """The first greedy tokens agree; past them one flipped near tie changes the rest of a
+    free-running continuation (a 1e-6 change in summation order flipped 10 of 64 tokens),
+    so the rest is compared teacher-forced: the quantized model's top token after each
+    prefix of the dense model's continuation, with int8 activations everywhere."""
     quantized, dense = engines
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours = [list(o.outputs[0].token_ids) for o in quantized.generate(PROMPTS, params, use_tqdm=False)]
-    ref = [list(o.outputs[0].token_ids) for o in dense.generate(PROMPTS, params, use_tqdm=False)]
-    # int8 activations may flip a near tie late in a continuation; the first tokens agree
+    ref_outs = dense.generate(PROMPTS, params, use_tqdm=False)
+    ref = [list(o.outputs[0].token_ids) for o in ref_outs]
     assert all(a[:4] == b[:4] for a, b in zip(ours, ref)), (ours, ref)
-    same = sum(x == y for a, b in zip(ours, ref) for x, y in zip(a, b))
-    assert same >= 0.7 * sum(map(len, ref)), (ours, ref)
+    agree = total = 0
+    for o in ref_outs:
+        ids, start = list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)
+        forced = quantized.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                                    use_tqdm=False)[0]
+        for j in range(start, len(ids)):
+            top = max(forced.prompt_logprobs[j].items(), key=lambda kv: kv[1].logprob)[0]
+            agree, total = agree + (top == ids[j]), total + 1
+    assert agree >= 0.9 * total, (agree, total)  # 61 / 64 measured
 
 
 def test_the_packed_weights_are_about_the_files_size_and_survive_sleep(engines, smollm2_gguf):
