@@ -15,8 +15,10 @@ launches of one step and replaying them; this does that for the C kernels:
   op that computes (an `index_copy_`, a `.item()`, a oneDNN matmul) means the step does
   work a replay would skip, so capture raises `GraphCaptureUnsupported` and the engine
   keeps that batch size eager. Non-recordable entry points refuse the same way.
-- The recording then replays once, and its output must equal the eager output bit for
-  bit (the kernels are deterministic at a fixed thread count); otherwise it is refused.
+- The first recording then replays once, and its output must equal the eager output bit
+  for bit (the kernels are deterministic at a fixed thread count); otherwise it is
+  refused. Later recordings (other batch sizes of the same model, the same code) skip
+  this: a server records up to 32 of them while it serves.
 - `replay()` is one ctypes call of `ps_graph_replay` (graph_replay.c), which makes the
   recorded calls in order with no Python between them.
 
@@ -142,6 +144,13 @@ class _WatchOps(TorchDispatchMode):
     """Refuses aten ops that compute; gives new tensors arena memory; keeps every tensor
     produced while recording alive."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in dynamo.disable, importing torch._dynamo
+        # (1.5 s) at the first capture: an inter-token stall in a running server. Nothing
+        # is compiled while recording.
+        return False
+
     def __init__(self, arena: Arena) -> None:
         super().__init__()
         self.arena = arena
@@ -230,6 +239,7 @@ class CpuGraphs(GraphCapture):
         if memory_bytes is None:
             memory_bytes = int(os.environ.get("PORTASERVE_CPU_GRAPH_MEMORY_MB", "256")) << 20
         self.arena = Arena(memory_bytes)
+        self.verified = False  # a replay reproduced its eager step once
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[CpuGraph, torch.Tensor]:
         if self.kernels is None:
@@ -262,10 +272,14 @@ class CpuGraphs(GraphCapture):
             raise GraphCaptureUnsupported(f"tensors made while recording outlive the step ({shapes}): a lazily made "
                                           "workspace or cache; run the step eagerly once first")
         graph = CpuGraph(self.kernels, calls, [*keep, out, self.arena])
-        expected = out.clone()
-        graph.replay()
-        if not torch.equal(out, expected):
-            raise GraphCaptureUnsupported("replaying the recorded kernels did not reproduce the eager step")
+        if not self.verified:
+            # once per model: every batch size runs the same code, which the checks above
+            # already watched; a step costs a few ms to tens of ms, paid per recording
+            expected = out.clone()
+            graph.replay()
+            if not torch.equal(out, expected):
+                raise GraphCaptureUnsupported("replaying the recorded kernels did not reproduce the eager step")
+            self.verified = True
         return graph, out
 
     @staticmethod
