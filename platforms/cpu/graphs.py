@@ -201,7 +201,7 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8 if dtype != torch.bool else 1
+    return dtype.itemsize
 
 
 class CpuGraph:
@@ -221,7 +221,8 @@ class CpuGraph:
     def replay(self) -> None:
         rc = self.kernels.graph_replay(ctypes.addressof(self.ops), self.num_ops)
         if rc != 0:
-            index = abs(rc) // 1000 - 1 if rc > 0 else -rc - 1
+            # graph_replay.c: (index + 1) * 1000 + the kernel's small (maybe negative) code
+            index = (rc + 500) // 1000 - 1 if rc > 0 else -rc - 1
             name = self.names.get(self.kinds[index], "?") if 0 <= index < self.num_ops else "?"
             raise RuntimeError(f"CPU graph replay failed at call {index} ({name}): code {rc}")
 

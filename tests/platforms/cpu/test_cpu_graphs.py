@@ -10,7 +10,7 @@ from portaserve.framework.executor.decode_graphs import DecodeGraphForward
 from portaserve.framework.interfaces import GraphCaptureUnsupported
 from portaserve.platforms.cpu import fused_ops, native
 from portaserve.platforms.cpu.attention import CpuPagedAttentionBackend
-from portaserve.platforms.cpu.graphs import KERNEL_IDS, QUERIES, CpuGraphs
+from portaserve.platforms.cpu.graphs import KERNEL_IDS, QUERIES, CpuGraph, CpuGraphs
 
 kernels = native.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"no C kernels: {native.unavailable_reason()}")
@@ -42,6 +42,17 @@ def test_kv_write_matches_index_copy(dtype):
     bad[1, 2] = -1
     assert kernels.kv_write(table.data_ptr(), bad[0].data_ptr(), bad[1].data_ptr(), k.data_ptr(), k.stride(0),
                             k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), tokens, heads, d, k.element_size()) == 1
+
+
+def test_a_failing_replay_names_the_call_and_kernel():
+    table, k = torch.zeros(4, 8), torch.ones(1, 1, 8)
+    rows = torch.tensor([[0], [-1]])  # a negative V row: ps_kv_write returns 1
+    args = [table.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(), k.data_ptr(), 8, 8, k.data_ptr(), 8, 8, 1, 1, 8, 4]
+    graph = CpuGraph(kernels, [(KERNEL_IDS["kv_write"], args)], [table, rows, k])
+    with pytest.raises(RuntimeError, match=r"call 0 \(kv_write\): code 1001"):
+        graph.replay()
+    with pytest.raises(RuntimeError, match=r"call 0 \(\?\): code -1"):
+        CpuGraph(kernels, [(99, [])], []).replay()
 
 
 def _norm_then_act(x, w):
