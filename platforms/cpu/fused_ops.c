@@ -12,6 +12,7 @@
  * `x * cos + rotate_half(x) * sin`. (In float32 every rounding is exact.)
  */
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 /* rows x cols elements: parallel only above this many (a thread fork costs ~ a few us) */

@@ -18,7 +18,9 @@
 
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
+#include "gguf_codes.h"
 
 #if PS_AVX512 && defined(__AVX512BF16__)
 #define PS_GEMM_BF16 1
@@ -37,20 +39,8 @@ int ps_gguf_gemm_available(void) { return PS_GEMM_BF16; }
 static void expand_row(const uint8_t *wn, const uint16_t *sn, const uint16_t *mn, int64_t K, int bits, int group,
                        uint16_t *out) {
     for (int64_t b = 0; b < K / 32; b++) {
-        __m128i c0, c1; /* codes 0-15 and 16-31 of the block */
-        if (bits == 8) {
-            c0 = _mm_loadu_si128((const __m128i *)(wn + b * 32));
-            c1 = _mm_loadu_si128((const __m128i *)(wn + b * 32 + 16));
-        } else {
-            __m128i v = _mm_loadu_si128((const __m128i *)(wn + b * 16)), n4 = _mm_set1_epi8(0x0F);
-            c0 = _mm_and_si128(v, n4);
-            c1 = _mm_and_si128(_mm_srli_epi16(v, 4), n4);
-        }
-        int64_t g0 = group == 32 ? b : 2 * b, g1 = group == 32 ? b : 2 * b + 1;
-        __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), _mm512_set1_ps(_cvtsh_ss(sn[g0])),
-                                    _mm512_set1_ps(_cvtsh_ss(mn[g0])));
-        __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), _mm512_set1_ps(_cvtsh_ss(sn[g1])),
-                                    _mm512_set1_ps(_cvtsh_ss(mn[g1])));
+        __m512 v0, v1;
+        gguf_block_values(wn, sn, mn, b, bits, group, &v0, &v1);
         /* cvtne2ps: the second operand fills the low half */
         _mm512_storeu_si512((void *)(out + b * 32), (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
     }

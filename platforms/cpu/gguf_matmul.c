@@ -21,7 +21,9 @@
 
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
+#include "gguf_codes.h"
 
 #if PS_AVX512 && defined(__AVX512VNNI__)
 #define PS_VNNI 1
@@ -323,21 +325,8 @@ int ps_gguf_dequantize(const uint8_t *w, int bits, int group, const uint16_t *sc
         char *on = (char *)out + n * K * (out_dtype == PS_F32 ? 4 : 2);
         for (int64_t b = 0; b < K / 32; b++) { /* one block of 32 codes at a time */
 #if PS_AVX512
-            __m128i c0, c1; /* codes 0-15 and 16-31 as bytes */
-            if (bits == 8) {
-                c0 = _mm_loadu_si128((const __m128i *)(wn + b * 32));
-                c1 = _mm_loadu_si128((const __m128i *)(wn + b * 32 + 16));
-            } else {
-                __m128i v = _mm_loadu_si128((const __m128i *)(wn + b * 16)), n4 = _mm_set1_epi8(0x0F);
-                c0 = _mm_and_si128(v, n4);
-                c1 = _mm_and_si128(_mm_srli_epi16(v, 4), n4);
-            }
-            int64_t g0 = group == 32 ? b : 2 * b, g1 = group == 32 ? b : 2 * b + 1;
-            /* _cvtsh_ss: the hardware conversion (f16_to_f32 is too, on these builds) */
-            __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), _mm512_set1_ps(_cvtsh_ss(scales[n * ng + g0])),
-                                        _mm512_set1_ps(_cvtsh_ss(mins[n * ng + g0])));
-            __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), _mm512_set1_ps(_cvtsh_ss(scales[n * ng + g1])),
-                                        _mm512_set1_ps(_cvtsh_ss(mins[n * ng + g1])));
+            __m512 v0, v1;
+            gguf_block_values(wn, scales + n * ng, mins + n * ng, b, bits, group, &v0, &v1);
             store16(on + (b * 32) * (out_dtype == PS_F32 ? 4 : 2), v0, 16, out_dtype);
             store16(on + (b * 32 + 16) * (out_dtype == PS_F32 ? 4 : 2), v1, 16, out_dtype);
 #else

@@ -188,7 +188,7 @@ class _WatchOps(TorchDispatchMode):
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = numel * _element_size(dtype)
+        nbytes = numel * dtype.itemsize
         return self.arena.take(nbytes)[:nbytes].view(dtype).view(shape)
 
 
@@ -198,10 +198,6 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
         strides.append(step)
         step *= max(d, 1)
     return strides[::-1]
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 class CpuGraph:

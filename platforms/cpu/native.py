@@ -35,7 +35,7 @@ logger = logging.getLogger("portaserve")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "paged_decode.c", HERE / "fused_ops.c", HERE / "gguf_matmul.c", HERE / "gguf_gemm.c",
            HERE / "graph_replay.c")
-HEADERS = (HERE / "cpu_simd.h",)
+HEADERS = (HERE / "cpu_simd.h", HERE / "cpu_kernels.h", HERE / "gguf_codes.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 LIBS = ("-lm",)
 

@@ -17,6 +17,7 @@
  * fp16 exactly), output rounded to the cache dtype (round to nearest even).
  */
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 typedef struct {
