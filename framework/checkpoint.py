@@ -208,6 +208,12 @@ def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     config = _read_json(file, "config")
     if not isinstance(config, dict):
         raise invalid("model", f"config {str(file)!r} is not a JSON object")
+    text = config.get("text_config")
+    if isinstance(text, dict) and "vocab_size" not in config:
+        # A vision-language checkpoint nests its language model's settings; engine-wide
+        # code (vocabulary size, eos, limits) reads them at the top level.
+        for key, value in text.items():
+            config.setdefault(key, value)
     pooling = load_sentence_transformers_pooling(folder)
     if pooling is not None:
         config["portaserve_pooling"] = pooling

@@ -68,6 +68,8 @@ class EngineConfig(BaseModel):
     strict_plugins: bool = False
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = Field(
+        None, description="most media items per prompt by modality, as JSON: '{\"image\": 4}' (default 8 images)")
     logits_processors: list[str] | None = Field(
         None,
         description="fully-qualified 'module:Class' logits processors, instantiated once per worker (no arguments) "
@@ -100,6 +102,9 @@ class EngineConfig(BaseModel):
                                  "its actors itself: use nnodes 1 with 'ray')")
         if self.headless and self.node_rank == 0:
             raise ValueError("headless: node 0 runs the engine core and the server; headless is for node_rank > 0")
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if modality != "image" or not 0 <= limit <= 64:
+                raise ValueError(f"limit_mm_per_prompt: {modality!r}: {limit}; supported: 'image' with a limit in [0, 64]")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         return self

@@ -137,3 +137,6 @@ class StepContext:
     kv_caches: Sequence[torch.Tensor] = ()
     #: query_start_loc: [num_seqs + 1] int32 on the host (pooling needs sequence bounds)
     query_start_loc: torch.Tensor | None = None
+    #: (rows [n] int64, values [n, hidden]): input embeddings that replace the token
+    #: embeddings at those rows of the step (image placeholders); None for text-only steps
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "portaserve.models.qwen3:Qwen3ForCausalLM",
     "MistralForCausalLM": "portaserve.models.mistral:MistralForCausalLM",
     "BertModel": "portaserve.models.bert:BertModel",
+    "LlavaForConditionalGeneration": "portaserve.models.llava:LlavaForConditionalGeneration",
 }
 
 CHECKPOINT_WRITERS = {
@@ -22,6 +23,7 @@ CHECKPOINT_WRITERS = {
     "Qwen3ForCausalLM": "portaserve.models.checkpoints:write_qwen3",
     "MistralForCausalLM": "portaserve.models.checkpoints:write_mistral",
     "BertModel": "portaserve.models.checkpoints:write_bert",
+    "LlavaForConditionalGeneration": "portaserve.models.checkpoints_vl:write_llava",
 }
 
 

@@ -175,7 +175,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        return self.decode(self.embed_tokens(input_ids), positions, step)
+
+    def decode(self, hidden: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The layers and the final norm over input embeddings [num_tokens, hidden]
+        (vision-language models replace some rows before this)."""
         rope = self.rotary_emb.prepare(positions, step)
         residual = None
         for layer in self.layers:

@@ -228,7 +228,17 @@ QWEN3_TEMPLATE = (
     "{%- endif %}\n"
 )
 
-CHAT_TEMPLATES: dict[str, str] = {"chatml": CHATML_TEMPLATE, "qwen3": QWEN3_TEMPLATE}
+# ChatML where a message's image parts render as Qwen2-VL's placeholder (what
+# vision-language test checkpoints ship): the engine expands <|image_pad|> to the
+# image's number of tokens.
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+CHATML_VISION_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{%- if part.type == 'text' %}{{- part.text }}{%- endif %}",
+    "{%- if part.type == 'text' %}{{- part.text }}"
+    "{%- elif part.type == 'image' or part.type == 'image_url' %}{{- '" + VISION_PLACEHOLDER + "' }}{%- endif %}",
+)
+
+CHAT_TEMPLATES: dict[str, str] = {"chatml": CHATML_TEMPLATE, "qwen3": QWEN3_TEMPLATE, "chatml_vision": CHATML_VISION_TEMPLATE}
 
 
 # ----- building tokenizer.json -------------------------------------------------------------

@@ -90,6 +90,11 @@ FLAGS: tuple[Flag, ...] = (
          "/sleep, /wake_up; off by default (they answer 404)", _SERVER, kind="switch"),
     Flag("weight_update_allowed_addresses", "addresses or CIDR networks a weight-update group may connect to "
          "(with --enable-admin-api; default none)", _SERVER, kind="list", metavar="ADDRESS"),
+    Flag("allowed_media_domains", "domains whose http(s) image URLs requests may fetch (default none: only data: "
+         "URLs); private, loopback and link-local addresses are refused even then", _SERVER, kind="list",
+         metavar="DOMAIN"),
+    Flag("allowed_local_media_path", "a folder whose files requests may name as file:// image URLs (default none)",
+         _SERVER),
     # ----- the engine (EngineConfig fields)
     Flag("device", "'auto' (the best available platform; PORTASERVE_DEVICE when set) or a platform name: "
          "cpu, cuda, rocm, xpu, tpu, or a plugin's"),
@@ -132,6 +137,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("trust_remote_code", "accepted for vLLM compatibility; portaserve never runs a checkpoint's code",
          kind="switch"),
     Flag("skip_tokenizer_init", "no tokenizer: serve token ids only (/inference/v1/generate)", kind="switch"),
+    Flag("limit_mm_per_prompt", "most media items per prompt, as JSON: '{\"image\": 4}' (default 8 images)",
+         type=lambda text: _json_object(text, "limit_mm_per_prompt"), metavar="JSON"),
     Flag("logits_processors", "fully-qualified 'module:Class' logits processors applied to every request "
          "(instantiated once per worker)", kind="list", metavar="MODULE:CLASS"),
 )
@@ -216,6 +223,16 @@ def add_parser(subparsers) -> None:
 # ----- turning flags into configuration ------------------------------------------------------------
 
 
+def _json_object(text: str, name: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{name}: expected a JSON object such as '{{\"image\": 4}}', got {text!r}")
+    return value
+
+
 def _list(value: Any) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(str(v) for v in value)
@@ -270,6 +287,8 @@ def server_settings(args: argparse.Namespace) -> "Any":
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         enable_admin_api=args.enable_admin_api,
         weight_update_allowed_addresses=tuple(args.weight_update_allowed_addresses or ()),
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        allowed_local_media_path=args.allowed_local_media_path,
         limits=RequestLimits(**{flag.dest: getattr(args, flag.dest) for flag in _limit_flags()}),
     )
 

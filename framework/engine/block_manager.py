@@ -193,7 +193,14 @@ class BlockManager:
         else:
             tokens = prompt[start:] + request.output_token_ids[: end - num_prompt]
         parent = state.hashes[-1] if i else self._root
-        h = self._hash_fn(parent, tokens, self._extra_key(request) if i == 0 else None)
+        extra = self._extra_key(request) if i == 0 else None
+        if request.mm_features:
+            # identical placeholder tokens stand for different images: the images' hashes
+            # make the block's hash differ
+            images = tuple(f.hash for f in request.mm_features if f.overlaps(start, end))
+            if images:
+                extra = (extra, images)
+        h = self._hash_fn(parent, tokens, extra)
         state.hashes.append(h)
         return h
 

@@ -156,25 +156,65 @@ def _plain(value: Any, where: str) -> Any:
     )
 
 
-def _flatten_content(content: Any, where: str) -> str | None:
+IMAGE_PART_TYPES = ("image_url", "image")
+
+
+def image_url_of(part: Any, where: str) -> Any:
+    """The URL of an OpenAI `image_url` content part (`detail` is accepted and ignored);
+    for an `image` part (the offline API's), its `image` value: a PIL image or a URL."""
+    if part.get("type") == "image" and part.get("image") is not None and not isinstance(part.get("image"), str):
+        return part["image"]
+    value = part.get("image_url") if part.get("type") == "image_url" else part.get("image", part.get("url"))
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise invalid("messages", f"{where}.image_url.url: must be a non-empty string (a data:, http(s) or file URL)")
+    return url
+
+
+def _flatten_content(content: Any, where: str) -> str | list | None:
+    """Text parts joined into one string; a message with images keeps its parts, as
+    [{"type": "text", "text"}, {"type": "image"}, ...], for the template to place them."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid("messages", f"{where}: must be a string or a list of content parts, got {type(content).__name__}")
     texts = []
+    parts: list[dict] = []
+    has_image = False
     for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
+            parts.append({"type": "text", "text": part})
             continue
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PART_TYPES:
+            if kind == "image_url":
+                image_url_of(part, f"{where}[{j}]")
+            has_image = True
+            parts.append({"type": "image"})
+            continue
         if kind != "text":
             shown = kind if kind is not None else type(part).__name__
-            raise invalid("messages", f"{where}[{j}]: content parts of type {shown!r} are not supported; only 'text' parts are")
+            raise invalid("messages", f"{where}[{j}]: content parts of type {shown!r} are not supported; "
+                          "supported: 'text', 'image_url'")
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid("messages", f"{where}[{j}].text: must be a string")
         texts.append(text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": text})
+    return parts if has_image else "\n".join(texts)
+
+
+def chat_image_urls(messages: Any) -> list[tuple[str, str]]:
+    """(url, "messages[i].content[j]") of every image part, in conversation order."""
+    found = []
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                where = f"messages[{i}].content[{j}]"
+                found.append((image_url_of(part, where), where))
+    return found
 
 
 def _normalize_message(message: Any, i: int) -> dict:
@@ -283,7 +323,10 @@ def render_chat(
             got = repr(msgs[-1]["role"]) if msgs else "an empty conversation"
             raise invalid("continue_final_message", f"the last message must be an assistant message to continue, got {got}")
         final = msgs[-1].get("content") or ""
-        msgs[-1]["content"] = final + _CONTINUE_MARK
+        if isinstance(final, list):
+            msgs[-1]["content"] = final + [{"type": "text", "text": _CONTINUE_MARK}]
+        else:
+            msgs[-1]["content"] = final + _CONTINUE_MARK
     context: dict[str, Any] = _check_kwargs(chat_template_kwargs)
     if bos_token is not None:
         context.setdefault("bos_token", bos_token)
@@ -311,3 +354,18 @@ def render_chat(
         # The mark's trailing space survived: the template kept the message's whitespace as given.
         text = text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
     return text
+
+
+def without_image_data(messages: Any) -> Any:
+    """The conversation with each image part reduced to {"type": "image"} (what the
+    template needs): the offline API's parts may hold PIL images, which are not JSON."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            content = [{"type": "image"} if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES else p for p in content]
+            message = {**message, "content": content}
+        out.append(message)
+    return out

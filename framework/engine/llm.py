@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portaserve.framework.config import EngineConfig
+from portaserve.framework.engine.chat import chat_image_urls, without_image_data
 from portaserve.framework.engine.llm_engine import LLMEngine
 from portaserve.framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from portaserve.framework.engine.params import PoolingParams, RequestOutputKind, SamplingParams
@@ -20,6 +21,16 @@ _GENERATION_DEFAULTS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
+
+
+def load_chat_image(ref, where: str):
+    """An offline chat's image part: a PIL image as given, or a data: URL decoded (the
+    offline API fetches nothing and reads no files; pass PIL images for those)."""
+    from portaserve.framework.multimodal.media import MediaPolicy, load_image
+
+    if isinstance(ref, str):
+        return load_image(ref, MediaPolicy.create(), where)
+    return ref
 
 
 class LLM:
@@ -112,8 +123,9 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, token ids, or {"prompt_token_ids": [...]})."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Complete each prompt: text, token ids, or a dict {"prompt": ...} / {"prompt_token_ids":
+        [...]}, with "multi_modal_data": {"image": PIL image or list} for vision-language models."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
@@ -139,7 +151,7 @@ class LLM:
         prompts = []
         for conv in conversations:
             ids = tokenizer.apply_chat_template(
-                conv,
+                without_image_data(conv),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -147,7 +159,9 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
                 tokenize=True,
             )
-            prompts.append({"prompt_token_ids": ids})
+            images = [load_chat_image(ref, where) for ref, where in chat_image_urls(conv)]
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else
+                           {"prompt_token_ids": ids})
         params = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm, None)
 

@@ -32,6 +32,10 @@ class ProcessedRequest:
     arrival_time: float
 
 
+#: images per prompt when --limit-mm-per-prompt does not say
+DEFAULT_IMAGE_LIMIT = 8
+
+
 def child_request_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{parent_id}#{index}"
 
@@ -45,6 +49,61 @@ class InputProcessor:
         if tokenizer is None and gen_eos is not None:
             self.eos_token_ids = frozenset(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.vocab_size = spec.vocab_size
+
+    @property
+    def mm_processor(self):
+        """The model's ImagePromptProcessor (vision-language models), else None."""
+        if not hasattr(self, "_mm_processor"):
+            self._mm_processor = None
+            if "vision_config" in self.spec.hf_config:
+                from portaserve.framework.plugins import get_registry
+
+                cls = self.spec.plan.model_class(get_registry())
+                factory = getattr(cls, "multimodal_processor", None)
+                if factory is not None:
+                    self._mm_processor = factory(self.spec.hf_config, self.spec.model_path)
+        return self._mm_processor
+
+    def _images(self, prompt: Any) -> list:
+        """The images of a dict prompt's `multi_modal_data`, checked against the limits."""
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+            return []
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict):
+            raise invalid("multi_modal_data", f"must be a dict of modality -> item(s), got {type(data).__name__}")
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise invalid("multi_modal_data", f"modalities {unknown} are not supported; supported: ['image']")
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return []
+        if self.mm_processor is None:
+            raise invalid("multi_modal_data", "this model does not take images (it is not a vision-language model)")
+        limit = self.image_limit
+        if len(images) > limit:
+            raise invalid("multi_modal_data", f"{len(images)} images exceed the limit of {limit} per prompt (--limit-mm-per-prompt)")
+        from PIL import Image
+
+        for k, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise invalid(f"multi_modal_data.image[{k}]", f"must be a PIL.Image.Image, got {type(image).__name__}")
+        return images
+
+    def _check_features(self, features, token_ids: list[int]) -> tuple:
+        from portaserve.framework.multimodal.inputs import MultiModalFeature
+
+        mm = self.mm_processor
+        for f in features:
+            if (mm is None or not isinstance(f, MultiModalFeature) or f.offset < 0 or f.end > len(token_ids)
+                    or any(t != mm.placeholder_token_id for t in token_ids[f.offset : f.end])):
+                raise invalid("multi_modal_features", "do not match the prompt's image placeholders")
+        return tuple(features)
+
+    @property
+    def image_limit(self) -> int:
+        limits = self.spec.config.limit_mm_per_prompt or {}
+        return int(limits.get("image", DEFAULT_IMAGE_LIMIT))
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -64,6 +123,14 @@ class InputProcessor:
         text, token_ids = self._prompt_tokens(prompt)
         if not token_ids:
             raise invalid("prompt", "must not be empty")
+        mm_features: tuple = ()
+        images = self._images(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_features"):
+            # the server expanded the placeholders itself (it needed the count for usage)
+            mm_features = self._check_features(prompt["multi_modal_features"], token_ids)
+        elif images:
+            token_ids, features = self.mm_processor.expand(token_ids, images)
+            mm_features = tuple(features)
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise invalid("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -102,6 +169,7 @@ class InputProcessor:
                     priority=priority,
                     cache_salt=cache_salt,
                     max_tokens=max_tokens,
+                    mm_features=mm_features,
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, params, tuple(children), arrival)

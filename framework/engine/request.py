@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from portaserve.framework.multimodal.inputs import MultiModalFeature
+
 from .params import PoolingParams, SamplingParams
 
 
@@ -49,6 +51,8 @@ class Request:
     priority: int = 0  # lower runs first under priority scheduling (vLLM's convention)
     cache_salt: str | None = None  # mixed into block hashes: no sharing across salts
     max_tokens: int = 16  # resolved by the engine (SamplingParams.max_tokens or max_model_len - prompt)
+    # the prompt's images, their placeholders already expanded in prompt_token_ids
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

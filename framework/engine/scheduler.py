@@ -20,6 +20,12 @@ vLLM v1's unified scheme, pure Python (no tensors, no vendor checks):
 - `update_from_output` appends sampled tokens, applies the stop rules (EOS unless
   ignore_eos, then stop_token_ids — neither before min_tokens — then max_tokens and
   max_model_len), frees finished requests and returns their EngineCoreOutputs.
+- Images (multimodal requests): a prefill chunk that reaches an image's placeholder
+  tokens needs the image's encoder output. It is either in the encoder cache
+  (encoder_cache.py) or encoded this step within the step's encoder budget; when
+  neither is possible the chunk stops before the image (a chunk may end inside an
+  image whose encoding is available: chunked prefill and preemption work across
+  an image's tokens).
 
 `request.num_computed_tokens` always counts tokens whose K/V is written (or will be,
 by the step just scheduled): `schedule()` advances it for everything it scheduled.
@@ -31,11 +37,13 @@ import bisect
 import itertools
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from portaserve.framework.errors import InvalidParameterError, invalid
 
+from .admission import check_request_fits, check_siblings_fit
 from .block_manager import BlockManager
+from .encoder_cache import EncoderCacheManager
 from .request_queue import FcfsQueue, PriorityQueue
 from .request import Request, RequestStatus
 from .scheduler_output import (
@@ -48,6 +56,8 @@ from .scheduler_output import (
 )
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+#: image embeddings the encoder may compute per step when the token budget is smaller
+MIN_ENCODER_BUDGET = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +78,10 @@ class SchedulerStats:
 class _Step:
     """What one `schedule()` call has decided so far."""
 
-    __slots__ = ("budget", "prefill_budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted")
+    __slots__ = ("budget", "prefill_budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted",
+                 "encoder_budget", "encoder_inputs")
 
-    def __init__(self, budget: int, prefill_budget: int) -> None:
+    def __init__(self, budget: int, prefill_budget: int, encoder_budget: int = 0) -> None:
         self.budget = budget
         # tokens left for prompt chunks (<= budget; smaller while decodes run, see Scheduler)
         self.prefill_budget = prefill_budget
@@ -79,6 +90,8 @@ class _Step:
         self.new_requests: list[Request] = []
         self.admitted: set[str] = set()
         self.preempted: set[str] = set()
+        self.encoder_budget = encoder_budget  # image embeddings left to encode this step
+        self.encoder_inputs: list = []  # MultiModalFeatures the runner encodes this step
 
 
 class Scheduler:
@@ -95,6 +108,8 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
         max_prefill_tokens_with_decodes: int | None = None,
+        encoder_budget: int | None = None,
+        encoder_cache_size: int | None = None,
     ) -> None:
         if max_prefill_tokens_with_decodes is not None and (
             not isinstance(max_prefill_tokens_with_decodes, int) or max_prefill_tokens_with_decodes < 1
@@ -124,6 +139,10 @@ class Scheduler:
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.policy = scheduling_policy
         self.block_manager = block_manager
+        # image embeddings encoded per step (at least one large image's, even under a small
+        # token budget: a chunk may then end inside it) and kept between steps
+        self.encoder_budget = encoder_budget or max(max_num_batched_tokens, MIN_ENCODER_BUDGET)
+        self.encoder_cache = EncoderCacheManager(encoder_cache_size or max(4 * self.encoder_budget, 8192))
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []  # FCFS: admission order; priority: sorted by _key
@@ -150,67 +169,15 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise invalid("request_id", f"{rid!r} is already in use by an unfinished request")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise invalid("prompt", "must contain at least one token")
-        if request.is_pooling:
-            if num_prompt > self.max_model_len:
-                raise InvalidParameterError(
-                    "prompt", f"prompt: {num_prompt} tokens exceed max_model_len ({self.max_model_len})"
-                )
-            needed = num_prompt
-        else:
-            if num_prompt >= self.max_model_len:
-                raise InvalidParameterError(
-                    "prompt",
-                    f"prompt: {num_prompt} tokens leave no room to generate within max_model_len ({self.max_model_len})",
-                )
-            needed = min(num_prompt + request.max_tokens, self.max_model_len)
-        capacity = self.block_manager.capacity_tokens()
-        if needed > capacity:
-            param = "prompt" if num_prompt > capacity else "max_tokens"
-            raise InvalidParameterError(
-                param,
-                f"{param}: prompt ({num_prompt} tokens) + max_tokens needs {needed} tokens of KV cache, but the whole "
-                f"cache holds {capacity} ({self.block_manager.num_usable_blocks} blocks of {self.block_size}); lower "
-                f"max_tokens or give the KV cache more memory (--kv-cache-memory / num_gpu_blocks_override)",
-            )
-        if not self._can_chunk(request, num_prompt) and num_prompt > self.max_num_batched_tokens:
-            raise InvalidParameterError(
-                "prompt",
-                f"prompt: {num_prompt} tokens exceed max_num_batched_tokens ({self.max_num_batched_tokens}) and "
-                f"{'pooling prompts are' if request.is_pooling else 'chunked prefill is off, so a prompt is'} never split "
-                f"across steps; raise --max-num-batched-tokens",
-            )
+        check_request_fits(self, request)
         request.status = RequestStatus.WAITING
         self._order[rid] = next(self._counter)
         self.requests[rid] = request
         self.waiting.push(request)
 
     def check_siblings_fit(self, requests: Sequence[Request]) -> None:
-        """The `n` sequences of one prompt must fit in the KV cache together.
-
-        Refused up front when they cannot, rather than left to preempt one another. The
-        prompt's full blocks are counted once when prefix caching shares them.
-
-        :raises InvalidParameterError: on `n`, with the blocks needed and the cache's size.
-        """
-        generating = [r for r in requests if not r.is_pooling]
-        if len(generating) < 2:
-            return
-        bs = self.block_size
-        num_prompt = generating[0].num_prompt_tokens
-        per_sequence = [-(-min(num_prompt + r.max_tokens, self.max_model_len) // bs) for r in generating]
-        shared = num_prompt // bs if self.block_manager.enable_caching else 0
-        needed = shared + sum(blocks - shared for blocks in per_sequence)
-        usable = self.block_manager.num_usable_blocks
-        if needed > usable:
-            raise InvalidParameterError(
-                "n",
-                f"n: {len(generating)} sequences of a {num_prompt}-token prompt with max_tokens "
-                f"{generating[0].max_tokens} need {needed} KV blocks together, but the cache holds {usable} "
-                f"(blocks of {bs}); lower n or max_tokens",
-            )
+        """The `n` sequences of one prompt must fit in the KV cache together (admission.py)."""
+        check_siblings_fit(self, requests)
 
     def abort_requests(self, req_ids: Iterable[str] | str) -> None:
         """End requests now, wherever they are; unknown or finished ids are ignored.
@@ -259,6 +226,8 @@ class Scheduler:
         self._finished_ids.add(rid)
         self._prompt_logprobs.pop(rid, None)
         self._prompt_logprobs_sent.discard(rid)
+        if request.mm_features:
+            self.encoder_cache.release(rid, keys=[f.hash for f in request.mm_features])
 
     def has_unfinished_requests(self) -> bool:
         """True while requests remain or an abort is still to be reported."""
@@ -296,7 +265,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch; advances each scheduled request's num_computed_tokens."""
-        step = _Step(self.max_num_batched_tokens, self._prefill_budget())
+        step = _Step(self.max_num_batched_tokens, self._prefill_budget(), self.encoder_budget)
         preempted_running = self._schedule_running(step)
         if not preempted_running:
             self._schedule_waiting(step)
@@ -327,6 +296,9 @@ class Scheduler:
                 num_new = budget
             if is_prefill and num_new > step.prefill_budget:
                 num_new = step.prefill_budget
+            encoder_plan = None
+            if request.mm_features and num_new > 0:
+                num_new, encoder_plan = self._plan_encoder(request, request.num_computed_tokens, num_new, step)
             if num_new <= 0:
                 i += 1
                 continue
@@ -342,6 +314,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             rid = request.request_id
+            if encoder_plan is not None:
+                self._commit_encoder(request, encoder_plan, step)
             num_scheduled[rid] = num_new
             step_new_blocks[rid] = new_blocks
             budget -= num_new
@@ -367,12 +341,20 @@ class Scheduler:
             if num_new > min(step.budget, step.prefill_budget) and not self._can_chunk(request, num_new):
                 break
             num_new = min(num_new, step.budget, step.prefill_budget)
+            encoder_plan = None
+            if request.mm_features:
+                wanted = num_new
+                num_new, encoder_plan = self._plan_encoder(request, num_hit, num_new, step)
+                if num_new <= 0 or (num_new < wanted and not self._can_chunk(request, wanted)):
+                    break
             new_blocks = bm.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 if self._make_room(request, step):
                     continue
                 break
             waiting.pop()
+            if encoder_plan is not None:
+                self._commit_encoder(request, encoder_plan, step)
             bm.record_query(request.num_tokens, num_hit)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
@@ -423,6 +405,8 @@ class Scheduler:
         # num_computed_tokens has not been advanced for this step yet, so it marks where
         # blocks allocated (and hashed) this step but never written begin.
         self.block_manager.free(request, request.num_computed_tokens)
+        if request.mm_features:
+            self.encoder_cache.release(rid, keys=[f.hash for f in request.mm_features])
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -432,6 +416,14 @@ class Scheduler:
         step.preempted.add(rid)
         if rid not in self._prompt_logprobs_sent:
             self._prompt_logprobs.pop(rid, None)  # the prompt is recomputed from 0
+
+    def _plan_encoder(self, request: Request, start: int, num_new: int, step: _Step):
+        return self.encoder_cache.plan(request.mm_features, start, num_new, step.encoder_budget)
+
+    def _commit_encoder(self, request: Request, plan, step: _Step) -> None:
+        encoded = self.encoder_cache.commit(request.request_id, plan)
+        step.encoder_budget -= sum(f.length for f in encoded)
+        step.encoder_inputs += encoded
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         bm = self.block_manager
@@ -445,6 +437,8 @@ class Scheduler:
                 pooling_params=r.pooling_params,
                 block_ids=bm.block_ids(r),
                 num_computed_tokens=r.num_computed_tokens,
+                # placements and hashes only: pixels travel once, in scheduled_encoder_inputs
+                mm_features=tuple(replace(f, pixel_values=b"") for f in r.mm_features),
             )
             for r in step.new_requests
         )
@@ -453,7 +447,12 @@ class Scheduler:
         )
         num_scheduled = step.num_scheduled
         for rid, n in num_scheduled.items():
-            requests[rid].num_computed_tokens += n
+            request = requests[rid]
+            request.num_computed_tokens += n
+            if request.mm_features:  # images wholly consumed no longer need their encoder output
+                done = [f.hash for f in request.mm_features if f.end <= request.num_computed_tokens]
+                if done:
+                    self.encoder_cache.release(rid, keys=done)
         total = sum(num_scheduled.values())
         finished = frozenset(self._finished_ids)
         if total:
@@ -467,6 +466,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
+            scheduled_encoder_inputs=tuple(step.encoder_inputs),
+            free_encoder_hashes=self.encoder_cache.take_freed(),
         )
 
     # ----- results ---------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from portaserve.framework.multimodal.inputs import MultiModalFeature
+
 from .params import PoolingParams, SamplingParams
 
 
@@ -26,6 +28,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None
     block_ids: tuple[int, ...]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,11 @@ class SchedulerOutput:
     # Requests that finished, were aborted or preempted since the last step: the runner
     # drops their state (a preempted one comes back later as a NewRequestData).
     finished_req_ids: frozenset[str]
+    # images whose encoder outputs the runner computes this step, before the forward,
+    # and keeps by hash (the scheduler's EncoderCacheManager decided which)
+    scheduled_encoder_inputs: tuple[MultiModalFeature, ...] = ()
+    # encoder outputs (by feature hash) the runner drops before computing new ones
+    free_encoder_hashes: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -30,6 +30,7 @@ class RequestState:
     num_computed_tokens: int  # tokens already in the KV cache
     prompt_logprobs: int | None = None
     is_pooling: bool = False
+    mm_features: tuple = ()  # MultiModalFeatures (placements and hashes) of its prompt
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,9 @@ class ModelRunner:
         self.allocator: KVCacheAllocator = registry.get("kv_cache_allocators", self.plan.kv_cache_allocator.name)(self.device)
         # --logits-processors: one instance per worker, applied to every request.
         self.extra_logits_processors = [import_object(name)() for name in spec.config.logits_processors or ()]
+        # image hash -> the model's embeddings of it [num_tokens, hidden]; what it holds is
+        # decided by the scheduler's EncoderCacheManager (SchedulerOutput.free_encoder_hashes)
+        self.encoder_cache: dict[str, torch.Tensor] = {}
 
     # ----- setup -----------------------------------------------------------------------
 
@@ -161,6 +164,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs=params.prompt_logprobs if params is not None else None,
                 is_pooling=new.pooling_params is not None,
+                mm_features=new.mm_features,
             )
             if params is not None and self.extra_logits_processors:
                 # a copy: in-process, the scheduler's Request holds the same params object
@@ -184,8 +188,12 @@ class ModelRunner:
         """One step: update the request records, prepare the inputs, run the model, then
         pool or sample the requests that reached the end of their known tokens."""
         self._update_states(sched)
+        for key in sched.free_encoder_hashes:
+            self.encoder_cache.pop(key, None)
         if sched.is_empty:
             return ModelRunnerOutput()
+        if sched.scheduled_encoder_inputs:
+            self._run_encoder(sched.scheduled_encoder_inputs)
         inputs = self._prepare_inputs(sched)
         hidden = self._run_model(inputs)
         for state, n in zip(inputs.states, inputs.query_lens.tolist()):
@@ -206,21 +214,64 @@ class ModelRunner:
         # a step the forward replays from a captured graph is padded to its static shape first
         batch, input_ids, positions = self._forward().prepare(host.batch, host.input_ids, host.positions)
         metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.backends.items()}
+        mm_embeds = self._gather_mm_embeds(states, host.query_start_loc)
         return ModelInputs(
             req_ids=req_ids,
             states=states,
             input_ids=input_ids.to(self.device),
             positions=positions.to(self.device),
-            step=StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc),
+            step=StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc,
+                             mm_embeds=mm_embeds),
             query_start_loc=host.query_start_loc,
             num_tokens=host.batch.num_actual_tokens,
         )
+
+    def _run_encoder(self, features) -> None:
+        """Encode the step's new images (same-shaped ones together) into the encoder cache."""
+        by_shape: dict[tuple, list] = {}
+        for feature in features:
+            if feature.hash not in self.encoder_cache:
+                by_shape.setdefault((feature.shape, feature.grid_thw), []).append(feature)
+        for group in by_shape.values():
+            for feature, embeds in zip(group, self.model.embed_multimodal(group)):
+                if embeds.shape[0] != feature.length:
+                    raise RuntimeError(f"the model made {embeds.shape[0]} embeddings of an image with {feature.length} "
+                                       "placeholder tokens")
+                self.encoder_cache[feature.hash] = embeds
+
+    def _gather_mm_embeds(self, states, query_start_loc) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, embeddings) of the step's image placeholder tokens, from the encoder cache."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for i, state in enumerate(states):
+            if not state.mm_features:
+                continue
+            start = state.num_computed_tokens  # before this step
+            end = start + int(query_start_loc[i + 1] - query_start_loc[i])
+            for feature in state.mm_features:
+                if not feature.overlaps(start, end):
+                    continue
+                embeds = self.encoder_cache.get(feature.hash)
+                if embeds is None:
+                    raise RuntimeError(f"request {state.req_id}: the encoder output of image {feature.hash[:12]} is "
+                                       "not in the encoder cache (scheduler and runner disagree)")
+                lo, hi = max(feature.offset, start), min(feature.end, end)
+                first_row = int(query_start_loc[i]) + lo - start
+                rows.append(torch.arange(first_row, first_row + hi - lo))
+                values.append(embeds[lo - feature.offset : hi - feature.offset])
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(values)
 
     def _forward(self) -> EagerForward:
         return self.forward or EagerForward(self.model)
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         """The model's hidden states of the step's real tokens: [num_tokens, hidden]."""
+        if inputs.step.mm_embeds is not None:
+            # steps that carry images run the model eagerly (compiled and recorded forwards
+            # are specialized to token inputs)
+            return self.model(inputs.input_ids, inputs.positions, inputs.step)[: inputs.num_tokens]
         return self._forward()(inputs.input_ids, inputs.positions, inputs.step)[: inputs.num_tokens]
 
     def _pool(self, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, tuple[float, ...]]:

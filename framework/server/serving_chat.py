@@ -27,7 +27,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from portaserve.framework.engine.params import RequestOutputKind, SamplingParams
+from portaserve.framework.engine.chat import chat_image_urls
 from portaserve.framework.errors import invalid
+from portaserve.framework.multimodal.media import load_image
 from portaserve.framework.server.parsers import ReasoningParser, ToolCall, ToolParser
 from portaserve.framework.server.protocol import (
     ChatChoice,
@@ -71,7 +73,29 @@ class ChatPlan:
     tool_choice: Any
     forced_tool: str | None
     echo_text: str
+    #: the images (MultiModalFeatures), placeholders already expanded in prompt_ids
+    mm_features: tuple = ()
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def chat_images(state: ServerState, engine: Any, refs: list[tuple[str, str]], prompt_ids: list[int]):
+    """Load a conversation's images under the server's media policy and expand their
+    placeholders: (prompt ids, features). Errors name the content part."""
+    processor = engine.processor
+    mm = processor.mm_processor
+    if mm is None:
+        raise invalid("messages", f"{refs[0][1]}: this model does not take images (it is not a vision-language model)")
+    limit = processor.image_limit
+    if len(refs) > limit:
+        raise invalid("messages", f"messages: {len(refs)} images exceed the limit of {limit} per prompt (--limit-mm-per-prompt)")
+    found = sum(1 for t in prompt_ids if t == mm.placeholder_token_id)
+    if found != len(refs):
+        raise invalid("messages", f"messages: the chat template placed {found} image placeholder(s) for {len(refs)} "
+                      "image part(s); it does not render image parts for this model")
+    policy = state.media_policy()
+    images = [load_image(url, policy, where) for url, where in refs]
+    ids, features = mm.expand(prompt_ids, images, param="messages")
+    return ids, tuple(features)
 
 
 class _ChoiceParser:
@@ -181,7 +205,13 @@ class ChatService:
             chat_template_kwargs=kwargs,
         )
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+        features: tuple = ()
+        image_refs = chat_image_urls(req.messages)
+        if image_refs:
+            prompt_ids, features = chat_images(state, engine, image_refs, prompt_ids)
         if req.truncate_prompt_tokens is not None:
+            if features:
+                raise invalid("truncate_prompt_tokens", "cannot truncate a prompt with images")
             prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
         limits.check_prompt_logprobs(req.prompt_logprobs, len(prompt_ids))
         params = SamplingParams(
@@ -196,7 +226,7 @@ class ChatService:
             echo_text = content if isinstance(content, str) else ""
         response_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
         return ChatPlan(req, model, response_id, engine_request_id(response_id), prompt_text, prompt_ids, params,
-                        tool_choice, forced, echo_text)
+                        tool_choice, forced, echo_text, features)
 
     # ----- the route -----------------------------------------------------------------------------------
 
@@ -204,7 +234,9 @@ class ChatService:
         return await until_disconnected(raw, self._create(req, raw))
 
     async def _create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        if req.chat_template is not None:  # renders in another process, up to --chat-template-timeout
+        if req.chat_template is not None or chat_image_urls(req.messages):
+            # a request's own template renders in another process (up to --chat-template-timeout);
+            # images are fetched, decoded and preprocessed: neither blocks the event loop
             plan = await asyncio.to_thread(self.plan, req, raw)
         else:
             plan = self.plan(req, raw)
@@ -218,7 +250,9 @@ class ChatService:
             },
         )
         gen = engine_outputs(
-            state, plan.engine_id, {"prompt": plan.prompt_text, "prompt_token_ids": plan.prompt_ids}, plan.params,
+            state, plan.engine_id,
+            {"prompt": plan.prompt_text, "prompt_token_ids": plan.prompt_ids, "multi_modal_features": plan.mm_features},
+            plan.params,
             num_prompt_tokens=len(plan.prompt_ids), priority=req.priority, cache_salt=req.cache_salt,
         )
         try:

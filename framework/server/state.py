@@ -46,6 +46,9 @@ class ServerSettings:
     enable_admin_api: bool = False
     #: Addresses (or CIDR networks) a weight-update group may connect to.
     weight_update_allowed_addresses: tuple[str, ...] = ()
+    #: Images requests may load besides data: URLs (framework/multimodal/media.py).
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
     #: Bounds on every size a request supplies (see limits.py).
     limits: RequestLimits = field(default_factory=RequestLimits)
     registry: Any = field(default=None, compare=False)  # a PluginRegistry for the parsers (tests)
@@ -80,6 +83,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.tracer = Tracer()
         self._template_renderer = None  # started on the first request-supplied chat template
+        self._media_policy = None  # built on the first request with an image (media_policy())
         self.reasoning_parser_cls = get_reasoning_parser(settings.reasoning_parser, settings.registry) if settings.reasoning_parser else None
         self.tool_parser_cls = get_tool_parser(settings.tool_call_parser, settings.registry) if settings.tool_call_parser else None
         if spec is not None:
@@ -116,6 +120,15 @@ class ServerState:
             self.settings.limits.chat_template_timeout, template=request_template, messages=messages,
             bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, **kwargs,
         )
+
+    def media_policy(self):
+        """What requests may load as images (--allowed-media-domains, --allowed-local-media-path)."""
+        if self._media_policy is None:
+            from portaserve.framework.multimodal.media import MediaPolicy
+
+            self._media_policy = MediaPolicy.create(self.settings.allowed_media_domains,
+                                                    self.settings.allowed_local_media_path)
+        return self._media_policy
 
     def attach(self, engine: AsyncLLM) -> None:
         """The engine has started: routes may use it from now on."""

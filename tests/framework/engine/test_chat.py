@@ -229,8 +229,11 @@ def test_errors_name_the_parameter():
     with pytest.raises(InvalidParameterError, match="could not render") as info:
         render_chat("{{ messages[0].content.nope() }}", [{"role": "user", "content": "x"}])
     assert info.value.param == "messages"
-    with pytest.raises(InvalidParameterError, match=r"messages\[0\]\.content\[1\].*'image_url'") as info:
-        render_chat(CHATML_TEMPLATE, [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(InvalidParameterError, match=r"messages\[0\]\.content\[1\].*'input_audio'") as info:
+        render_chat(CHATML_TEMPLATE, [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}]}])
+    assert info.value.param == "messages"
+    with pytest.raises(InvalidParameterError, match=r"messages\[0\]\.content\[1\]\.image_url\.url") as info:
+        render_chat(CHATML_TEMPLATE, [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}])
     assert info.value.param == "messages"
     with pytest.raises(InvalidParameterError, match="role") as info:
         render_chat(CHATML_TEMPLATE, [{"content": "no role"}])

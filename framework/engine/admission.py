@@ -1,0 +1,90 @@
+"""Admission checks: whether a request can ever be served by a scheduler's engine.
+
+Refused up front, with an error naming the parameter to change, rather than left to
+wait forever or to preempt its siblings endlessly: a prompt too long for the model,
+a prompt + max_tokens larger than the whole KV cache, an unchunkable prompt over the
+step budget, an image larger than what one step encodes, `n` sequences that cannot fit
+together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from portaserve.framework.errors import InvalidParameterError, invalid
+
+from .request import Request
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def check_request_fits(scheduler: "Scheduler", request: Request) -> None:
+    """:raises InvalidParameterError: if `request` can never be served."""
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+        raise invalid("prompt", "must contain at least one token")
+    if request.is_pooling:
+        if num_prompt > scheduler.max_model_len:
+            raise InvalidParameterError(
+                "prompt", f"prompt: {num_prompt} tokens exceed max_model_len ({scheduler.max_model_len})"
+            )
+        needed = num_prompt
+    else:
+        if num_prompt >= scheduler.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt: {num_prompt} tokens leave no room to generate within max_model_len ({scheduler.max_model_len})",
+            )
+        needed = min(num_prompt + request.max_tokens, scheduler.max_model_len)
+    capacity = scheduler.block_manager.capacity_tokens()
+    if needed > capacity:
+        param = "prompt" if num_prompt > capacity else "max_tokens"
+        raise InvalidParameterError(
+            param,
+            f"{param}: prompt ({num_prompt} tokens) + max_tokens needs {needed} tokens of KV cache, but the whole "
+            f"cache holds {capacity} ({scheduler.block_manager.num_usable_blocks} blocks of {scheduler.block_size}); lower "
+            f"max_tokens or give the KV cache more memory (--kv-cache-memory / num_gpu_blocks_override)",
+        )
+    if not scheduler._can_chunk(request, num_prompt) and num_prompt > scheduler.max_num_batched_tokens:
+        raise InvalidParameterError(
+            "prompt",
+            f"prompt: {num_prompt} tokens exceed max_num_batched_tokens ({scheduler.max_num_batched_tokens}) and "
+            f"{'pooling prompts are' if request.is_pooling else 'chunked prefill is off, so a prompt is'} never split "
+            f"across steps; raise --max-num-batched-tokens",
+        )
+    for k, feature in enumerate(request.mm_features):
+        limit = min(scheduler.encoder_budget, scheduler.encoder_cache.capacity)
+        if feature.length > limit:
+            raise InvalidParameterError(
+                "multi_modal_data",
+                f"multi_modal_data: image {k} takes {feature.length} tokens, more than the engine encodes in one "
+                f"step ({limit}); raise --max-num-batched-tokens or send a smaller image",
+            )
+
+
+def check_siblings_fit(scheduler: "Scheduler", requests: Sequence[Request]) -> None:
+    """The `n` sequences of one prompt must fit in the KV cache together.
+
+    Refused up front when they cannot, rather than left to preempt one another. The
+    prompt's full blocks are counted once when prefix caching shares them.
+
+    :raises InvalidParameterError: on `n`, with the blocks needed and the cache's size.
+    """
+    generating = [r for r in requests if not r.is_pooling]
+    if len(generating) < 2:
+        return
+    bs = scheduler.block_size
+    num_prompt = generating[0].num_prompt_tokens
+    per_sequence = [-(-min(num_prompt + r.max_tokens, scheduler.max_model_len) // bs) for r in generating]
+    shared = num_prompt // bs if scheduler.block_manager.enable_caching else 0
+    needed = shared + sum(blocks - shared for blocks in per_sequence)
+    usable = scheduler.block_manager.num_usable_blocks
+    if needed > usable:
+        raise InvalidParameterError(
+            "n",
+            f"n: {len(generating)} sequences of a {num_prompt}-token prompt with max_tokens "
+            f"{generating[0].max_tokens} need {needed} KV blocks together, but the cache holds {usable} "
+            f"(blocks of {bs}); lower n or max_tokens",
+        )
