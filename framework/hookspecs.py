@@ -55,6 +55,13 @@ History:
   recording; None keeps the engine's buckets) and ``GraphCaptureUnsupported`` (a recorder
   refusing a callable it cannot replay; the engine then decodes eagerly). The CPU
   platform records its C kernel calls. Defaults keep 1.x platforms unchanged.
+- 1.4: vision-language models: ``ModelArchitecture.multimodal_processor`` (how the
+  front end prepares a model's images: preprocessing, the placeholder token, tokens per
+  image), ``ModelArchitecture.embed_multimodal`` (images to input embeddings) and
+  ``ModelStepContext.mm_embeds`` (the rows of a step whose embeddings the model
+  replaces). A vision encoder attends through an attention backend's encoder mode
+  (``AttentionSpec.causal`` False, already in the conformance kit). Defaults (no images)
+  keep 1.x models unchanged.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "portaserve"
 #: The contract version of this portaserve: (major, minor).
-CONTRACT_VERSION = (1, 3)
+CONTRACT_VERSION = (1, 4)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorator for plugin hook implementations: ``@hookimpl def portaserve_platform(): ...``

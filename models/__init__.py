@@ -6,7 +6,7 @@ names are the `architectures` entries of config.json, classes are imported lazil
 
 from portaserve.framework.hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.1"
+PORTASERVE_CONTRACT = "1.4"
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "portaserve.models.llama:LlamaForCausalLM",

@@ -83,6 +83,9 @@ class ModelStepContext(Protocol):
     kv_caches: Sequence[torch.Tensor]
     #: [num_seqs + 1] int32 host offsets of each sequence's tokens (pooling needs them)
     query_start_loc: torch.Tensor | None
+    #: (rows [n] int64, values [n, hidden]) or None: embeddings that replace the token
+    #: embeddings of those rows (image placeholders; contract 1.4)
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class ModelArchitecture(nn.Module, ABC):
@@ -135,6 +138,23 @@ class ModelArchitecture(nn.Module, ABC):
         :param step: the step's attention metadata and KV caches (`ModelStepContext`)
         :returns: hidden: [num_tokens, hidden_size]
         """
+
+    @classmethod
+    def multimodal_processor(cls, hf_config: Mapping[str, Any], model_path: Any) -> Any:
+        """How the front end prepares this model's images, or None for a text-only model
+        (the default). A vision-language model returns a
+        `portaserve.framework.multimodal.processor.ImagePromptProcessor`: its image
+        preprocessing (from the checkpoint's processor config), the placeholder token a
+        prompt carries once per image, and the number of embeddings an image becomes;
+        the engine expands each placeholder to that many tokens. (Contract 1.4.)"""
+        return None
+
+    def embed_multimodal(self, features: Sequence[Any]) -> list[torch.Tensor]:
+        """The input embeddings of images: one [feature.length, hidden_size] tensor per
+        `MultiModalFeature` (its `pixels()` and `grid_thw`). The engine caches them by the
+        image's hash and passes the rows a step needs as `step.mm_embeds`, which
+        `forward` writes over the placeholder tokens' embeddings. (Contract 1.4.)"""
+        raise NotImplementedError(f"{type(self).__name__} takes no images")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the rows the sampler needs (decoders; an encoder has none).

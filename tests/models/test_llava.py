@@ -92,6 +92,7 @@ def test_greedy_matches_transformers_in_mixed_batches(llava, budget):
     assert stats.num_encoded == 3 and stats.num_hits >= 1
 
 
+@pytest.mark.slow
 def test_prefix_cache_never_shares_blocks_between_different_images(llava):
     """Identical placeholder tokens, different images: the second request must not reuse
     the first one's KV blocks (this fails if block hashes ignore the image)."""
@@ -107,6 +108,7 @@ def test_prefix_cache_never_shares_blocks_between_different_images(llava):
     assert list(again.outputs[0].token_ids) == ref5
 
 
+@pytest.mark.slow
 def test_preemption_across_an_image_recomputes_it(llava):
     """A KV cache too small for every request at once: requests are preempted and resumed
     with their images re-read (from the encoder cache or encoded again)."""
@@ -137,6 +139,7 @@ def test_image_errors_name_the_parameter(llava):
         llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"video": [image(1)]}}, GREEDY)
 
 
+@pytest.mark.slow
 def test_chat_with_image_parts_matches_the_prompt_form(llava):
     llm = LLM(model=llava, dtype="float32", device="cpu")
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},

@@ -1,0 +1,133 @@
+"""Images in /v1/chat/completions, through the official openai client, on a tiny LLaVA.
+
+The reference for the output is transformers' LlavaForConditionalGeneration fed by its
+own LlavaProcessor (Pillow) with the same image and the same rendered prompt; usage
+counts the image's tokens. Bad image input is a 400 in OpenAI's error shape naming the
+content part; fetching a URL of a domain not allowed, or a local file outside the
+allowed folder, is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from portaserve.framework.config import EngineConfig
+from portaserve.framework.server.state import ServerSettings
+from server_harness import ServerThread
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a server
+
+from PIL import Image  # noqa: E402
+
+
+def picture(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from portaserve.models.checkpoints_vl import write_llava
+
+    return str(write_llava(tmp_path_factory.mktemp("llava-srv"), "tiny", seed=1))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    picture(3).save(folder / "ok.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def srv(llava, media_dir):
+    settings = ServerSettings(allowed_local_media_path=str(media_dir))
+    config = EngineConfig.create(model=llava, served_model_name="llava", dtype="float32", limit_mm_per_prompt={"image": 2})
+    with ServerThread(config, settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def image_part(url: str, detail: str | None = None) -> dict:
+    body = {"url": url} if detail is None else {"url": url, "detail": detail}
+    return {"type": "image_url", "image_url": body}
+
+
+def reference(folder: str, text: str, images: list, max_new_tokens: int) -> tuple[list[int], int]:
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder, backend="pil")
+    inputs = processor(images=images, text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist(), inputs["input_ids"].shape[1]
+
+
+def test_data_url_image_matches_transformers(client, srv, llava):
+    messages = user({"type": "text", "text": "What is in the picture?"}, image_part(data_url(picture(7)), "high"))
+    resp = client.chat.completions.create(model="llava", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "logprobs": False})
+    tokenizer = srv.engine.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "What is in the picture?"}, {"type": "image"}]}])
+    ref, ref_prompt = reference(llava, text, [picture(7)], 8)
+    assert tokenizer.decode(ref) == resp.choices[0].message.content
+    assert resp.usage.prompt_tokens == ref_prompt  # the image's 16 tokens are counted
+
+
+def test_jpeg_webp_and_local_files_load(client, media_dir):
+    for url in (data_url(picture(8), "JPEG"), data_url(picture(8), "WEBP"), (media_dir / "ok.png").as_uri()):
+        resp = client.chat.completions.create(model="llava", messages=user(image_part(url)), max_tokens=2)
+        assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+def test_streaming_with_an_image(client):
+    stream = client.chat.completions.create(model="llava", messages=user(image_part(data_url(picture(9)))), max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens > 16
+
+
+@pytest.mark.parametrize("part, where, reason", [
+    (image_part("data:image/png;base64,bm90IGFuIGltYWdl"), "messages[0].content[1]", "image"),
+    (image_part("https://example.com/cat.png"), "messages[0].content[1]", "allowed"),
+    (image_part("file:///etc/passwd"), "messages[0].content[1]", "allowed"),
+    ({"type": "image_url", "image_url": {}}, "messages[0].content[1].image_url.url", "non-empty"),
+])
+def test_bad_images_are_400s_naming_the_part(srv, part, where, reason):
+    body = {"model": "llava", "max_tokens": 2, "messages": user({"type": "text", "text": "hi"}, part)}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and where in err["message"] and reason in err["message"], err
+
+
+def test_too_many_images_and_oversized_prompts_are_refused(srv):
+    three = [image_part(data_url(picture(i))) for i in range(3)]
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "llava", "messages": user(*three)}, timeout=60)
+    assert r.status_code == 400 and "limit of 2" in r.json()["error"]["message"]
+    # the server keeps serving after every refusal
+    ok = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                    json={"model": "llava", "max_tokens": 2, "messages": user(image_part(data_url(picture(1))))})
+    assert ok.status_code == 200
