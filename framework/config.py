@@ -76,6 +76,20 @@ class EngineConfig(BaseModel):
         "and applied to every request as processor(output_token_ids, logits_row) -> logits_row",
     )
 
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _parse_mm_limits(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the serve flag's JSON text
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise ValueError("expected a JSON object such as '{\"image\": 4}'")
+        return value
+
     @field_validator("max_prefill_tokens_with_decodes", mode="before")
     @classmethod
     def _check_prefill_cap(cls, value: Any) -> int | str | None:

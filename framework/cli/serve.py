@@ -138,7 +138,7 @@ FLAGS: tuple[Flag, ...] = (
          kind="switch"),
     Flag("skip_tokenizer_init", "no tokenizer: serve token ids only (/inference/v1/generate)", kind="switch"),
     Flag("limit_mm_per_prompt", "most media items per prompt, as JSON: '{\"image\": 4}' (default 8 images)",
-         type=lambda text: _json_object(text, "limit_mm_per_prompt"), metavar="JSON"),
+         type=str, metavar="JSON"),
     Flag("logits_processors", "fully-qualified 'module:Class' logits processors applied to every request "
          "(instantiated once per worker)", kind="list", metavar="MODULE:CLASS"),
 )
@@ -221,16 +221,6 @@ def add_parser(subparsers) -> None:
 
 
 # ----- turning flags into configuration ------------------------------------------------------------
-
-
-def _json_object(text: str, name: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{name}: expected a JSON object such as '{{\"image\": 4}}', got {text!r}")
-    return value
 
 
 def _list(value: Any) -> tuple[str, ...]:

@@ -60,6 +60,9 @@ class ModelRunner:
         self.layer_types = list(self.arch_cls.attention_layer_types(spec.hf_config))
         # Backend instances used to build per-step metadata (stateless besides their spec).
         self.backends = LayerContext.from_plan(self.plan, registry, self.device, tp_rank, tp_size).attention_backends()
+        # The backends whose metadata a step needs: those of the decoder's layers (a vision
+        # tower builds its own per batch of images); every one for an encoder-only model.
+        self.step_backends = {t: b for t, b in self.backends.items() if t in self.layer_types or not self.layer_types}
         self.model = None
         # the model's forward as the plan's compilation choice runs it (set by load_model)
         self.forward: EagerForward | None = None
@@ -213,7 +216,7 @@ class ModelRunner:
         )
         # a step the forward replays from a captured graph is padded to its static shape first
         batch, input_ids, positions = self._forward().prepare(host.batch, host.input_ids, host.positions)
-        metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.backends.items()}
+        metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.step_backends.items()}
         mm_embeds = self._gather_mm_embeds(states, host.query_start_loc)
         return ModelInputs(
             req_ids=req_ids,

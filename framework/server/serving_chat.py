@@ -87,10 +87,10 @@ def chat_images(state: ServerState, engine: Any, refs: list[tuple[str, str]], pr
         raise invalid("messages", f"{refs[0][1]}: this model does not take images (it is not a vision-language model)")
     limit = processor.image_limit
     if len(refs) > limit:
-        raise invalid("messages", f"messages: {len(refs)} images exceed the limit of {limit} per prompt (--limit-mm-per-prompt)")
+        raise invalid("messages", f"{len(refs)} images exceed the limit of {limit} per prompt (--limit-mm-per-prompt)")
     found = sum(1 for t in prompt_ids if t == mm.placeholder_token_id)
     if found != len(refs):
-        raise invalid("messages", f"messages: the chat template placed {found} image placeholder(s) for {len(refs)} "
+        raise invalid("messages", f"the chat template placed {found} image placeholder(s) for {len(refs)} "
                       "image part(s); it does not render image parts for this model")
     policy = state.media_policy()
     images = [load_image(url, policy, where) for url, where in refs]

@@ -38,6 +38,13 @@ def llava(tmp_path_factory) -> str:
     return str(write_llava(tmp_path_factory.mktemp("llava"), "tiny", seed=0))
 
 
+@pytest.fixture(scope="module")
+def llava_siglip(tmp_path_factory) -> str:
+    from portaserve.models.checkpoints_vl import write_llava
+
+    return str(write_llava(tmp_path_factory.mktemp("llava-siglip"), "tiny", seed=2, vision_tower="siglip"))
+
+
 @functools.lru_cache(maxsize=2)
 def hf_model(folder: str):
     model, info = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
@@ -90,6 +97,17 @@ def test_greedy_matches_transformers_in_mixed_batches(llava, budget):
     # the two requests showing image 1 were encoded once
     stats = llm.llm_engine.core.scheduler.encoder_cache
     assert stats.num_encoded == 3 and stats.num_hits >= 1
+
+
+def test_siglip_tower_matches_transformers(llava_siglip):
+    """SigLIP: no class token, a biased patch embedding, no pre-norm, the whole tower read
+    ("full" strategy); its pooling head is in the checkpoint and skipped."""
+    llm = LLM(model=llava_siglip, dtype="float32", device="cpu", block_size=8)
+    outs = run(llm, PROMPTS[:2])
+    for (text, seeds), out in zip(PROMPTS[:2], outs):
+        ref, ref_len = hf_greedy(llava_siglip, text, [image(s) for s in seeds], 10)
+        assert len(out.prompt_token_ids) == ref_len
+        assert list(out.outputs[0].token_ids) == ref
 
 
 @pytest.mark.slow

@@ -59,7 +59,9 @@ def test_flags_to_config_and_settings(tmp_path):
     args = build_parser().parse_args(shlex.split(
         f"serve /models/x --device cpu --max-model-len 256 --no-enable-prefix-caching --dtype float32 "
         f"--served-model-name a b --api-key k1 k2 --logits-processors m:C --kv-cache-memory 0.5 "
-        f"--chat-template {template} --allowed-origins http://a.test,http://b.test --enable-request-id-headers"))
+        f"--chat-template {template} --allowed-origins http://a.test,http://b.test --enable-request-id-headers "
+        f"--limit-mm-per-prompt '{{\"image\": 3}}' --allowed-media-domains img.test cdn.test "
+        f"--allowed-local-media-path {tmp_path}"))
     config = EngineConfig.create(**engine_kwargs(args))
     assert (config.model, config.device, config.max_model_len, config.enable_prefix_caching) == ("/models/x", "cpu", 256, False)
     assert (config.dtype, config.served_model_name, config.logits_processors) == ("float32", "a", ["m:C"])
@@ -68,6 +70,8 @@ def test_flags_to_config_and_settings(tmp_path):
     assert settings.api_keys == ("k1", "k2") and settings.served_model_names == ("a", "b")
     assert settings.chat_template == "{{ messages[0].content }}"
     assert settings.allowed_origins == ("http://a.test", "http://b.test") and settings.enable_request_id_headers
+    assert config.limit_mm_per_prompt == {"image": 3}
+    assert settings.allowed_media_domains == ("img.test", "cdn.test") and settings.allowed_local_media_path == str(tmp_path)
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -77,6 +81,8 @@ def test_flags_to_config_and_settings(tmp_path):
     (["--max-num-seqs", "0"], ["max_num_seqs"]),
     (["--max-prefill-tokens-with-decodes", "-2"], ["max_prefill_tokens_with_decodes", ">= 0"]),
     (["--logits-processors", "no_such_module:X"], ["logits_processors", "no_such_module"]),
+    (["--limit-mm-per-prompt", "4"], ["limit_mm_per_prompt", "JSON object"]),
+    (["--limit-mm-per-prompt", '{"video": 1}'], ["limit_mm_per_prompt", "'image'"]),
 ])
 def test_bad_flags_fail_before_the_engine_starts(argv, words, capsys):
     from portaserve.framework.cli import main
