@@ -15,6 +15,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "portaserve.models.mistral:MistralForCausalLM",
     "BertModel": "portaserve.models.bert:BertModel",
     "LlavaForConditionalGeneration": "portaserve.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "portaserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "portaserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 CHECKPOINT_WRITERS = {
@@ -24,6 +26,8 @@ CHECKPOINT_WRITERS = {
     "MistralForCausalLM": "portaserve.models.checkpoints:write_mistral",
     "BertModel": "portaserve.models.checkpoints:write_bert",
     "LlavaForConditionalGeneration": "portaserve.models.checkpoints_vl:write_llava",
+    "Qwen2VLForConditionalGeneration": "portaserve.models.checkpoints_vl:write_qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "portaserve.models.checkpoints_vl:write_qwen2_5_vl",
 }
 
 

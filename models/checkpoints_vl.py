@@ -178,3 +178,127 @@ def write_llava(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, *
         (out / name).write_text(json.dumps(obj, indent=2) + "\n")
     write_qwen2_tokenizer(out, template="chatml_vision")
     return out
+
+
+# ----- Qwen2-VL / Qwen2.5-VL --------------------------------------------------------------
+
+_QWEN_VL_ARCH = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+def qwen_vl_config(size: str, variant: str = "qwen2_vl") -> dict[str, Any]:
+    if size != "tiny":
+        raise invalid("size", f"{size!r}: Qwen2-VL test checkpoints come in size tiny only")
+    text = checkpoint_config("Qwen2ForCausalLM", "tiny")
+    text.pop("architectures")
+    dtype = text.pop("torch_dtype")
+    text.update(model_type=f"{variant}_text", use_sliding_window=False, sliding_window=None, tie_word_embeddings=False,
+                num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "mrope_section": [2, 3, 3]})
+    text.pop("rope_theta", None)
+    if variant == "qwen2_vl":
+        vision = dict(model_type="qwen2_vl_vision", depth=2, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2,
+                      mlp_ratio=2, hidden_act="quick_gelu", in_channels=3, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2)
+    elif variant == "qwen2_5_vl":
+        # windows of 56 pixels (2 x 2 merged tokens); block 1 attends over the whole image
+        vision = dict(model_type="qwen2_5_vl", depth=3, hidden_size=32, out_hidden_size=text["hidden_size"],
+                      intermediate_size=64, num_heads=2, hidden_act="silu", in_channels=3, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    else:
+        raise invalid("variant", f"{variant!r} is not one of {', '.join(_QWEN_VL_ARCH)}")
+    return {
+        "architectures": [_QWEN_VL_ARCH[variant]], "model_type": variant, "torch_dtype": dtype,
+        "image_token_id": IMAGE_PAD_ID, "video_token_id": IMAGE_PAD_ID + 1,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "tie_word_embeddings": False,
+        "text_config": text, "vision_config": vision,
+    }
+
+
+def _qwen_vl_tensors(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    text = dict(config["text_config"], architectures=["Qwen2ForCausalLM"])
+    out = dict(_decoder_tensors(text))
+    vc = config["vision_config"]
+    qwen25 = config["model_type"] == "qwen2_5_vl"
+    dim = vc["hidden_size"] if qwen25 else vc["embed_dim"]
+    out_dim = vc["out_hidden_size"] if qwen25 else vc["hidden_size"]
+    p, t = vc["patch_size"], vc["temporal_patch_size"]
+    out["visual.patch_embed.proj.weight"] = ((dim, 3, t, p, p), "vision")
+    for i in range(vc["depth"]):
+        b = f"visual.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            out[f"{b}.{norm}.weight"] = ((dim,), "norm")
+            if not qwen25:
+                out[f"{b}.{norm}.bias"] = ((dim,), "bias")
+        out[f"{b}.attn.qkv.weight"] = ((3 * dim, dim), "vision")
+        out[f"{b}.attn.qkv.bias"] = ((3 * dim,), "bias")
+        out[f"{b}.attn.proj.weight"] = ((dim, dim), "vision")
+        out[f"{b}.attn.proj.bias"] = ((dim,), "bias")
+        if qwen25:
+            inter = vc["intermediate_size"]
+            for name, shape in (("gate_proj", (inter, dim)), ("up_proj", (inter, dim)), ("down_proj", (dim, inter))):
+                out[f"{b}.mlp.{name}.weight"] = (shape, "vision")
+                out[f"{b}.mlp.{name}.bias"] = ((shape[0],), "bias")
+        else:
+            inter = int(dim * vc["mlp_ratio"])
+            out[f"{b}.mlp.fc1.weight"] = ((inter, dim), "vision")
+            out[f"{b}.mlp.fc1.bias"] = ((inter,), "bias")
+            out[f"{b}.mlp.fc2.weight"] = ((dim, inter), "vision")
+            out[f"{b}.mlp.fc2.bias"] = ((dim,), "bias")
+    width = dim * vc["spatial_merge_size"] ** 2
+    out["visual.merger.ln_q.weight"] = ((dim,), "norm")
+    if not qwen25:
+        out["visual.merger.ln_q.bias"] = ((dim,), "bias")
+    out["visual.merger.mlp.0.weight"] = ((width, width), "vision")
+    out["visual.merger.mlp.0.bias"] = ((width,), "bias")
+    out["visual.merger.mlp.2.weight"] = ((out_dim, width), "vision")
+    out["visual.merger.mlp.2.bias"] = ((out_dim,), "bias")
+    return out
+
+
+def write_qwen_vl(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, *, dtype: str | None = None,
+                  variant: str = "qwen2_vl", **_: Any) -> Path:
+    """A random-weight Qwen2-VL (or, `variant="qwen2_5_vl"`, Qwen2.5-VL) checkpoint in the
+    hub's layout (`model.layers.*`, `visual.*`, `lm_head.*`) with its image processor's config."""
+    from portaserve.models.tokenizer_files import write_qwen2_tokenizer
+
+    config = qwen_vl_config(size, variant)
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise invalid("dtype", f"{dtype!r} is not one of {', '.join(_DTYPES)}")
+        config["torch_dtype"] = dtype
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (shape, kind) in _qwen_vl_tensors(config).items():
+        values = torch.randn(shape, generator=gen) * _STD[kind]
+        if kind == "norm":
+            values += 1.0
+        tensors[name] = values.to(_DTYPES[config["torch_dtype"]])
+    save_safetensors(tensors, out)
+    min_pixels, max_pixels = 56 * 56, 28 * 28 * 32
+    files = {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID]},
+        "preprocessor_config.json": {
+            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"
+            if variant == "qwen2_5_vl" else "Qwen2VLProcessor",
+            "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True, "min_pixels": min_pixels, "max_pixels": max_pixels,
+            "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+            "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        },
+    }
+    for name, obj in files.items():
+        (out / name).write_text(json.dumps(obj, indent=2) + "\n")
+    write_qwen2_tokenizer(out, template="chatml_vision")
+    return out
+
+
+def write_qwen2_vl(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, **kwargs: Any) -> Path:
+    return write_qwen_vl(out_dir, size, seed, variant="qwen2_vl", **kwargs)
+
+
+def write_qwen2_5_vl(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, **kwargs: Any) -> Path:
+    return write_qwen_vl(out_dir, size, seed, variant="qwen2_5_vl", **kwargs)

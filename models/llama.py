@@ -177,10 +177,12 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         return self.decode(self.embed_tokens(input_ids), positions, step)
 
-    def decode(self, hidden: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def decode(self, hidden: torch.Tensor, positions: torch.Tensor, step: StepContext, rope=None) -> torch.Tensor:
         """The layers and the final norm over input embeddings [num_tokens, hidden]
-        (vision-language models replace some rows before this)."""
-        rope = self.rotary_emb.prepare(positions, step)
+        (vision-language models replace some rows before this, and may bring their own
+        `rope`: multimodal positions)."""
+        if rope is None:
+            rope = self.rotary_emb.prepare(positions, step)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, step)

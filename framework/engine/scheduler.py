@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from portaserve.framework.errors import InvalidParameterError, invalid
+from portaserve.framework.errors import invalid
 
 from .admission import check_request_fits, check_siblings_fit
 from .block_manager import BlockManager

@@ -31,6 +31,9 @@ class RequestState:
     prompt_logprobs: int | None = None
     is_pooling: bool = False
     mm_features: tuple = ()  # MultiModalFeatures (placements and hashes) of its prompt
+    # multimodal RoPE (Qwen2-VL): the prompt's [3, num_prompt_tokens] positions and the
+    # shift of every later token's position; None for ordinary positions
+    rope_positions: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)

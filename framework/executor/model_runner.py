@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import numpy as np
 import torch
 
 from portaserve.framework.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -169,6 +170,9 @@ class ModelRunner:
                 is_pooling=new.pooling_params is not None,
                 mm_features=new.mm_features,
             )
+            if new.mm_features and hasattr(self.model, "rope_positions"):
+                self.requests[new.req_id].rope_positions = self.model.rope_positions(len(new.prompt_token_ids),
+                                                                                     new.mm_features)
             if params is not None and self.extra_logits_processors:
                 # a copy: in-process, the scheduler's Request holds the same params object
                 params = copy.copy(params)
@@ -214,8 +218,11 @@ class ModelRunner:
         host = build_inputs(
             states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, with_kv_cache=bool(self.kv_caches)
         )
+        rope_3d, positions = self._rope_positions(states, host.positions, host.query_start_loc)
         # a step the forward replays from a captured graph is padded to its static shape first
-        batch, input_ids, positions = self._forward().prepare(host.batch, host.input_ids, host.positions)
+        batch, input_ids, positions = self._forward().prepare(host.batch, host.input_ids, positions)
+        if rope_3d is not None:  # a step with image tokens: never padded (it is not a pure decode)
+            positions = rope_3d
         metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.step_backends.items()}
         mm_embeds = self._gather_mm_embeds(states, host.query_start_loc)
         return ModelInputs(
@@ -228,6 +235,30 @@ class ModelRunner:
             query_start_loc=host.query_start_loc,
             num_tokens=host.batch.num_actual_tokens,
         )
+
+    @staticmethod
+    def _rope_positions(states, positions: torch.Tensor, query_start_loc) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Multimodal RoPE positions of the step's tokens: ([3, n] or None, 1-D positions).
+        Where every token's three parts agree (text, and everything after the prompt) the
+        1-D positions carry them (shifted), so such steps run like a plain decoder's."""
+        if not any(s.rope_positions is not None for s in states):
+            return None, positions
+        flat = positions.numpy()
+        out = np.broadcast_to(flat, (3, flat.shape[0])).copy()
+        for i, state in enumerate(states):
+            if state.rope_positions is None:
+                continue
+            prompt, shift = state.rope_positions
+            rows = slice(int(query_start_loc[i]), int(query_start_loc[i + 1]))
+            index = flat[rows]
+            in_prompt = index < prompt.shape[1]
+            values = np.broadcast_to(index + shift, (3, index.shape[0])).copy()
+            values[:, in_prompt] = prompt[:, index[in_prompt]]
+            out[:, rows] = values
+        one_d = torch.from_numpy(np.ascontiguousarray(out[0]))
+        if (out[0] == out[1]).all() and (out[0] == out[2]).all():
+            return None, one_d
+        return torch.from_numpy(out), one_d
 
     def _run_encoder(self, features) -> None:
         """Encode the step's new images (same-shaped ones together) into the encoder cache."""

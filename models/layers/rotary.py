@@ -15,7 +15,7 @@ batched step matches transformers running that sequence alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -199,6 +199,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = dynamic_inv_freq(self.params, self.rotary_dim, self.max_position_embeddings, seq_lens)
         table = cos_sin(positions, inv_freq[token_seq], 1.0)
         return torch.arange(positions.numel(), device=positions.device), table
+
+    def prepare_mrope(self, positions: torch.Tensor, sections: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multimodal RoPE (Qwen2-VL): positions [3, num_tokens] (temporal, height, width);
+        the rotary frequencies are split into `sections` (summing to rotary_dim / 2), the
+        i-th rotated by position row i % 3. Returns (lookup index, per-token table) for `forward`."""
+        half = self.rotary_dim // 2
+        if sum(sections) != half:
+            raise ValueError(f"mrope_section {list(sections)} must sum to rotary_dim / 2 = {half}")
+        select = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)])
+        rows = self.cos_sin_cache[positions.to(self.cos_sin_cache.device)]  # [3, num_tokens, rotary_dim]
+        index = select.to(rows.device).repeat(2).view(1, 1, -1).expand(1, rows.shape[1], -1)
+        table = rows.gather(0, index)[0]  # [num_tokens, rotary_dim]
+        return torch.arange(positions.shape[1], device=positions.device), table
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_size], k: [num_tokens, num_kv_heads, head_size]."""
