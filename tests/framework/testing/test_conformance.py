@@ -75,7 +75,8 @@ def _assert_summary(proc, platform: str) -> None:
                     "results:"):
         assert heading in summary, f"{heading!r} missing from the summary:\n{summary[:3000]}"
     for module in ("test_attention_backends.py", "test_kv_cache.py", "test_communicator.py", "test_ops.py",
-                   "test_quant_methods.py", "test_probe.py", "test_capabilities.py", "test_graph_capture.py"):
+                   "test_quant_methods.py", "test_probe.py", "test_capabilities.py", "test_graph_capture.py",
+                   "test_vision_models.py"):
         assert re.search(rf"{module}\s+\d+ (passed|failed|skipped|error)", summary), f"{module} missing:\n{summary[:3000]}"
     assert re.search(r"total\s+\d+ passed", summary)
 
