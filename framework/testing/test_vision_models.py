@@ -59,15 +59,24 @@ def test_vision_language_models_match_the_host_reference(registry, platform, tmp
     archs = _vision_architectures(registry)
     if not archs:
         pytest.skip("no vision-language architecture with a checkpoint writer is registered")
+    from portaserve.framework.errors import UnsupportedError
+
     caps = platform.capabilities()
     dtype = torch.float32 if torch.float32 in caps.dtypes else next(iter(caps.preferred_dtypes))
+    unsupported = []
     for arch in archs:
         folder = tmp_path / arch
         registry.get("checkpoint_writers", arch)(str(folder), "tiny", 0)
-        tokens, logprobs = _run(str(folder), platform.name, dtype)
+        try:
+            tokens, logprobs = _run(str(folder), platform.name, dtype)
+        except UnsupportedError as exc:  # the platform declares it cannot serve these shapes
+            unsupported.append(f"{arch}: {exc}")
+            continue
         ref_tokens, ref_logprobs = _run(str(folder), "cpu", dtype)
         err = (logprobs - ref_logprobs).abs().max().item()
         tol = LOGPROB_TOLERANCE.get(dtype, 0.1)
         assert err <= tol, f"{platform.name}: {arch}'s prompt logprobs differ from the host's by {err:.3g} > {tol:g}"
         if dtype == torch.float32:
             assert tokens == ref_tokens, f"{platform.name}: {arch}'s greedy tokens differ from the host's"
+    if unsupported:
+        pytest.skip("; ".join(unsupported))
