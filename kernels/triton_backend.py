@@ -10,7 +10,11 @@ head_size]`, block ids on dim 0). With `kv_cache_dtype="fp8"` the cache holds e4
 of K / k_scale and V / v_scale (scales 1.0 unless set, as vLLM without calibrated
 scales): the new K/V are quantized in torch and their bytes copied into the slots (one
 rounding, the same on every device), the kernel widens the pages it reads to q's dtype,
-and the scales fold into the softmax scale (K) and the output (V). This module imports no triton at import time: the
+and the scales fold into the softmax scale (K) and the output (V).
+
+Encoder layers (`spec.causal` False: BERT, vision towers) keep no cache; each sequence
+attends to itself in full through torch's `scaled_dot_product_attention` (the vendor's
+fused kernel where torch has one), one call per run of equal-length sequences. This module imports no triton at import time: the
 plan imports every registered backend class to read its capabilities, also on machines
 where triton is absent; the kernels are imported when a backend is instantiated.
 """
@@ -47,7 +51,9 @@ class TritonAttentionMetadata(AttentionMetadata):
     block_table: torch.Tensor
     # slot_mapping: [num_tokens] int64 (only the first num_actual_tokens are written)
     slot_mapping: torch.Tensor
-    work: "AttentionWork"
+    work: "AttentionWork | None"
+    #: encoder layers: (start, length, count) runs of equal-length sequences; () otherwise
+    encoder_runs: tuple[tuple[int, int, int], ...] = ()
 
 
 def target_programs(device: torch.device) -> int:
@@ -89,7 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
     supported_head_sizes = frozenset({16, 32, 64, 80, 96, 112, 128, 192, 256})
     supported_block_sizes = frozenset({16, 32, 64})
     supports_sliding_window = True
-    supports_encoder = False
+    supports_encoder = True
     # query heads of one KV head share a program's rows; 16 keeps a decode tile at 16 rows
     max_gqa_ratio = 16
     required_features = frozenset({"triton"})
@@ -115,6 +121,12 @@ class TritonAttentionBackend(AttentionBackend):
         """Cut the step into kernel work items on the host and move the tables to the device."""
         qsl = batch.query_start_loc.cpu()
         query_lens = (qsl[1:] - qsl[:-1]).numpy()
+        if not self.spec.causal:
+            return TritonAttentionMetadata(
+                num_actual_tokens=batch.num_actual_tokens, query_start_loc=batch.query_start_loc,
+                seq_lens=batch.seq_lens, block_table=batch.block_table, slot_mapping=batch.slot_mapping, work=None,
+                encoder_runs=_equal_length_runs(query_lens.tolist()),
+            )
         work = self._kernels.plan_work(
             query_lens,
             batch.max_seq_len,
@@ -153,6 +165,8 @@ class TritonAttentionBackend(AttentionBackend):
         :param kv_cache: [num_blocks, 2, num_kv_heads, block_size, head_size]
         :returns: [num_tokens, num_heads, head_size]; rows past num_actual_tokens are unspecified.
         """
+        if not self.spec.causal:
+            return self._encoder_forward(q, k, v, metadata)
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         fp8 = kv_cache.dtype.itemsize == 1
         if fp8:
@@ -178,6 +192,40 @@ class TritonAttentionBackend(AttentionBackend):
         if fp8 and self.v_scale != 1.0:
             out.mul_(self.v_scale)
         return out
+
+
+    def _encoder_forward(self, q, k, v, metadata) -> torch.Tensor:
+        """Bidirectional attention within each sequence, in runs of equal lengths:
+        q: [num_tokens, num_heads, head_size], k/v: [num_tokens, num_kv_heads, head_size]."""
+        import torch.nn.functional as F
+
+        out = torch.empty_like(q)
+        ratio = self.spec.gqa_ratio
+        for start, length, count in metadata.encoder_runs:
+            end = start + length * count
+
+            def heads_first(x, repeat=1):
+                # [count * length, heads, d] -> [count, heads * repeat, length, d]
+                x = x[start:end].reshape(count, length, x.shape[1], x.shape[2]).transpose(1, 2)
+                return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+            o = F.scaled_dot_product_attention(heads_first(q), heads_first(k, ratio), heads_first(v, ratio),
+                                               scale=self.spec.scale)
+            out[start:end] = o.transpose(1, 2).reshape(end - start, q.shape[1], q.shape[2])
+        return out
+
+
+def _equal_length_runs(lengths: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """(first token, length, number of sequences) of each run of consecutive equal lengths."""
+    runs: list[list[int]] = []
+    start = 0
+    for n in lengths:
+        if runs and runs[-1][1] == n:
+            runs[-1][2] += 1
+        elif n:
+            runs.append([start, n, 1])
+        start += n
+    return tuple(tuple(r) for r in runs)
 
 
 def _to_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
