@@ -107,3 +107,39 @@ def test_tp2_gguf_matches_tp1(tmp_path):
         assert generate_ids(llm, prompts, 10) == expected
     finally:
         llm.shutdown()
+
+
+VISION_WRITERS = {
+    "LlavaForConditionalGeneration": ("write_llava", {}),
+    "Qwen2VLForConditionalGeneration": ("write_qwen_vl", {"variant": "qwen2_vl"}),
+    "Qwen2_5_VLForConditionalGeneration": ("write_qwen_vl", {"variant": "qwen2_5_vl"}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(VISION_WRITERS))
+def test_tp2_vision_language_models_match_tp1(arch, tmp_path):
+    """The vision tower's heads, MLP and projector / merger split across the ranks like the
+    decoder's; every rank encodes the step's images."""
+    import numpy as np
+    from PIL import Image
+
+    from portaserve import SamplingParams
+    from portaserve.models import checkpoints_vl
+
+    writer, options = VISION_WRITERS[arch]
+    folder = str(getattr(checkpoints_vl, writer)(tmp_path / "ckpt", "tiny", 4, **options))
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((70, 90), (120, 160))]
+    pad = checkpoints_vl.IMAGE_PAD_ID
+    prompts = [{"prompt_token_ids": [5, pad, 9, 11, pad, 13], "multi_modal_data": {"image": images}},
+               {"prompt_token_ids": [7, 8, 9, 10, 11]}]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def run(tp: int):
+        llm = LLM(folder, tensor_parallel_size=tp, **ENGINE_KW)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    assert run(2) == run(1)
