@@ -3,13 +3,15 @@
     python benchmarks/soak.py [--requests 2000] [--concurrency 32] [--json out.json]
 
 Starts two servers as users do (`portaserve serve` subprocesses): a small generative
-checkpoint and a small embedding checkpoint (random weights, written once into the
-portaserve cache folder). Then it sends a warm-up round of the whole mix, and the
+vision-language checkpoint (LLaVA: a CLIP tower and a Qwen2 decoder) and a small
+embedding checkpoint (random weights, written once into the portaserve cache folder). Then it sends a warm-up round of the whole mix, and the
 measured requests at the given concurrency. The mix:
 
 - chat and completions, streaming and not, n > 1, logprobs, tools, stop strings;
 - clients that disconnect mid-stream, requests aborted by a client timeout;
 - bad requests (each must be a 400 in OpenAI's error shape);
+- images: data: URLs of random sizes (some repeated, so the encoder cache serves them),
+  one or two per message, and broken images (a 400 naming the content part);
 - embeddings.
 
 It records the resident memory of each server's whole process tree after the warm-up,
@@ -36,7 +38,7 @@ from pathlib import Path
 import httpx
 
 KINDS = ("chat", "chat_stream", "completion", "completion_stream", "n", "logprobs", "tools", "stop", "disconnect",
-         "abort", "bad", "embedding")
+         "abort", "bad", "embedding", "image", "image_stream", "bad_image")
 
 
 def free_port() -> int:
@@ -66,11 +68,31 @@ def tree_rss(pid: int) -> int:
 def checkpoint(arch: str) -> str:
     from portaserve.framework.checkpoint import portaserve_cache_dir
     from portaserve.models.checkpoints import write_checkpoint
+    from portaserve.models.checkpoints_vl import write_llava
 
     folder = portaserve_cache_dir() / "soak" / f"{arch}-tiny-v1"
     if not (folder / "config.json").is_file():
-        write_checkpoint(arch, "tiny", folder, 0)
+        if arch == "LlavaForConditionalGeneration":
+            write_llava(folder, "tiny", 0)
+        else:
+            write_checkpoint(arch, "tiny", folder, 0)
     return str(folder)
+
+
+def image_url(rng: random.Random) -> str:
+    """A data: URL of a random PNG; a few seeds recur, so repeated images hit the encoder cache."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    seed = rng.randrange(8) if rng.random() < 0.5 else rng.randrange(10**9)
+    gen = np.random.default_rng(seed)
+    size = (int(gen.integers(8, 300)), int(gen.integers(8, 300)), 3)
+    buf = io.BytesIO()
+    Image.fromarray(gen.integers(0, 256, size, dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 class Server:
@@ -172,6 +194,24 @@ async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: h
             r = await client.post(chat, json={"model": "gen", **rng.choice(BAD)})
             ok = r.status_code == 400 and r.json().get("error", {}).get("code") == 400
             return "error" if ok else "lost"
+        if kind in ("image", "image_stream"):
+            parts = [{"type": "text", "text": words}]
+            parts += [{"type": "image_url", "image_url": {"url": image_url(rng)}} for _ in range(rng.randint(1, 2))]
+            body = {"model": "gen", "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens}
+            if kind == "image":
+                r = await client.post(chat, json=body)
+                return "ok" if r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 16 else "lost"
+            body.update(stream=True)
+            async with client.stream("POST", chat, json=body) as r:
+                lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            return "ok" if r.status_code == 200 and lines and lines[-1] == "data: [DONE]" else "lost"
+        if kind == "bad_image":
+            broken = rng.choice(["data:image/png;base64,bm90IGFuIGltYWdl", "data:image/png;base64,%%%",
+                                 "file:///etc/passwd", "http://169.254.169.254/latest/meta-data"])
+            parts = [{"type": "text", "text": words}, {"type": "image_url", "image_url": {"url": broken}}]
+            r = await client.post(chat, json={"model": "gen", "messages": [{"role": "user", "content": parts}]})
+            err = r.json().get("error", {}) if r.status_code == 400 else {}
+            return "error" if "messages[0].content[1]" in err.get("message", "") else "lost"
         if kind == "embedding":
             inputs = [words] * rng.randint(1, 4)
             r = await client.post(emb.url + "/v1/embeddings", json={"model": "emb", "input": inputs})
@@ -231,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    gen = Server(checkpoint("Qwen2ForCausalLM"), "gen", ["--max-model-len", "512", "--max-num-seqs", "32",
-                                                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    gen = Server(checkpoint("LlavaForConditionalGeneration"), "gen",
+                 ["--max-model-len", "512", "--max-num-seqs", "32", "--enable-auto-tool-choice", "--tool-call-parser",
+                  "hermes", "--limit-mm-per-prompt", '{"image": 2}'])
     emb = Server(checkpoint("BertModel"), "emb", [])
     servers = [gen, emb]
     try:

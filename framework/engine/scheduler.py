@@ -73,6 +73,8 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens
     num_preemptions: int
     num_steps: int  # non-empty steps scheduled
+    encoder_cache_misses: int = 0  # images encoded
+    encoder_cache_hits: int = 0  # image uses served by an encoding already in the cache
 
 
 class _Step:
@@ -253,6 +255,8 @@ class Scheduler:
             prefix_cache_hits=cache.num_hits,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            encoder_cache_misses=self.encoder_cache.num_encoded,
+            encoder_cache_hits=self.encoder_cache.num_hits,
         )
 
     # ----- scheduling ------------------------------------------------------------

@@ -121,6 +121,9 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str):
             return img.convert("RGB")  # decodes the pixels
     except InvalidParameterError:
         raise
+    except Image.DecompressionBombError:  # Pillow's own check, at open, for headers far past any limit
+        raise InvalidParameterError(_param(where), f"{where}: the image declares more pixels than the limit of "
+                                                   f"{policy.max_pixels}") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         raise InvalidParameterError(_param(where), f"{where}: not a readable image (PNG, JPEG, WebP or GIF)") from None
 

@@ -190,6 +190,8 @@ def create_app(
     async def models():
         spec = state.spec
         demo = spec is not None and spec.is_demo
+        engine = state.engine
+        takes_images = engine is not None and getattr(engine.processor, "mm_processor", None) is not None
         cards = [
             ModelCard(
                 id=name,
@@ -198,6 +200,7 @@ def create_app(
                 weights_version=state.engine.weights_version if state.engine is not None else 0,
                 demo=demo,
                 description="portaserve's demo checkpoint: RANDOM WEIGHTS, the output is gibberish" if demo else None,
+                input_modalities=["text", "image"] if takes_images else ["text"],
             )
             for name in state.model_names
         ]

@@ -8,6 +8,7 @@ non-streaming requests are measured alike:
 - gauges `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (a
   fraction, 1 = full, as in vLLM);
 - counters `prefix_cache_queries` / `prefix_cache_hits` (tokens), `num_preemptions`,
+  `encoder_cache_hits` / `encoder_cache_misses` (images),
   `prompt_tokens`, `generation_tokens`, `request_success` by `finished_reason`;
 - histograms `time_to_first_token_seconds`, `inter_token_latency_seconds`,
   `e2e_request_latency_seconds`, `request_queue_time_seconds`;
@@ -75,6 +76,8 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.encoder_hits = counter("encoder_cache_hits", "Images whose encoder output came from the encoder cache.")
+        self.encoder_misses = counter("encoder_cache_misses", "Images the vision encoder ran on.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.success = counter("request_success", "Count of successfully processed requests.", lab + ["finished_reason"])
@@ -90,7 +93,9 @@ class ServerMetrics:
             self.info.labels(model_name, plan.platform.name, str(getattr(plan.device, "device_name", "")), ",".join(backends)).set(1)
         for g in (self.running, self.waiting, self.kv_usage):
             g.labels(model_name).set(0)
-        self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0}
+        for c in (self.encoder_hits, self.encoder_misses):
+            c.labels(model_name)  # exported as 0 from the start
+        self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0, "encoder_hits": 0, "encoder_misses": 0}
         self._children: dict[str, _Tracked] = {}
         self._parents: dict[str, _Parent] = {}
         self._last_step_end: float | None = None
@@ -109,6 +114,8 @@ class ServerMetrics:
             ("queries", self.prefix_queries, stats.prefix_cache_queries),
             ("hits", self.prefix_hits, stats.prefix_cache_hits),
             ("preemptions", self.preemptions, stats.num_preemptions),
+            ("encoder_hits", self.encoder_hits, getattr(stats, "encoder_cache_hits", 0)),
+            ("encoder_misses", self.encoder_misses, getattr(stats, "encoder_cache_misses", 0)),
         ):
             delta = value - self._last[key]
             if delta > 0:

@@ -444,6 +444,8 @@ class ModelCard(BaseModel):
     weights_version: int = 0
     demo: bool = False
     description: str | None = None
+    #: what prompts may hold: ["text"], or ["text", "image"] for a vision-language model
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

@@ -62,7 +62,8 @@ def hf_greedy(folder: str, text: str, images: list, max_new_tokens: int) -> tupl
     return out[0, n:].tolist(), n
 
 
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+N = 24  # greedy tokens compared
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 
 PROMPTS = [
     (f"Describe {PLACEHOLDER} please", [1]),
@@ -80,8 +81,8 @@ def run(llm: LLM, prompts) -> list:
 
 def test_transformers_reference_sees_the_image(llava):
     """Control: the reference's output depends on the image, so matching it checks the tower."""
-    a, _ = hf_greedy(llava, PROMPTS[0][0], [image(1)], 10)
-    b, _ = hf_greedy(llava, PROMPTS[0][0], [image(9)], 10)
+    a, _ = hf_greedy(llava, PROMPTS[0][0], [image(1)], N)
+    b, _ = hf_greedy(llava, PROMPTS[0][0], [image(9)], N)
     assert a != b
 
 
@@ -91,7 +92,7 @@ def test_greedy_matches_transformers_in_mixed_batches(llava, budget):
     llm = LLM(model=llava, dtype="float32", device="cpu", block_size=8, **kwargs)
     outs = run(llm, PROMPTS)
     for (text, seeds), out in zip(PROMPTS, outs):
-        ref, ref_len = hf_greedy(llava, text, [image(s) for s in seeds], 10)
+        ref, ref_len = hf_greedy(llava, text, [image(s) for s in seeds], N)
         assert len(out.prompt_token_ids) == ref_len  # image tokens count in the prompt
         assert list(out.outputs[0].token_ids) == ref, (text, seeds)
     # the two requests showing image 1 were encoded once
@@ -105,7 +106,7 @@ def test_siglip_tower_matches_transformers(llava_siglip):
     llm = LLM(model=llava_siglip, dtype="float32", device="cpu", block_size=8)
     outs = run(llm, PROMPTS[:2])
     for (text, seeds), out in zip(PROMPTS[:2], outs):
-        ref, ref_len = hf_greedy(llava_siglip, text, [image(s) for s in seeds], 10)
+        ref, ref_len = hf_greedy(llava_siglip, text, [image(s) for s in seeds], N)
         assert len(out.prompt_token_ids) == ref_len
         assert list(out.outputs[0].token_ids) == ref
 
@@ -119,7 +120,7 @@ def test_prefix_cache_never_shares_blocks_between_different_images(llava):
     first = run(llm, [(text, [4])])[0]
     second = run(llm, [(text, [5])])[0]
     again = run(llm, [(text, [5])])[0]
-    ref5, _ = hf_greedy(llava, text, [image(5)], 10)
+    ref5, _ = hf_greedy(llava, text, [image(5)], N)
     assert list(second.outputs[0].token_ids) == ref5 != list(first.outputs[0].token_ids)
     assert second.num_cached_tokens < TOKENS_PER_IMAGE  # at most the blocks before the image
     assert again.num_cached_tokens >= TOKENS_PER_IMAGE  # the same image does hit
@@ -157,6 +158,22 @@ def test_image_errors_name_the_parameter(llava):
         llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"video": [image(1)]}}, GREEDY)
 
 
+def test_image_in_a_multi_turn_chat(llava):
+    llm = LLM(model=llava, dtype="float32", device="cpu")
+    conversation = [
+        {"role": "system", "content": "You look at pictures."},
+        {"role": "user", "content": [{"type": "image", "image": image(7)}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A noisy square."},
+        {"role": "user", "content": "And its colors?"},
+    ]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    from portaserve.framework.engine.chat import without_image_data
+
+    text = llm.get_tokenizer().apply_chat_template(without_image_data(conversation))
+    ref, ref_len = hf_greedy(llava, text, [image(7)], N)
+    assert len(out.prompt_token_ids) == ref_len and list(out.outputs[0].token_ids) == ref
+
+
 @pytest.mark.slow
 def test_chat_with_image_parts_matches_the_prompt_form(llava):
     llm = LLM(model=llava, dtype="float32", device="cpu")
@@ -167,5 +184,5 @@ def test_chat_with_image_parts_matches_the_prompt_form(llava):
     chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image"}]}])
-    ref, _ = hf_greedy(llava, text, [image(6)], 10)
+    ref, _ = hf_greedy(llava, text, [image(6)], N)
     assert list(chat.outputs[0].token_ids) == ref

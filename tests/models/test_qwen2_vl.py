@@ -74,7 +74,8 @@ PROMPTS = [
     ("Only words in this one, no picture", []),
     (f"{PLACEHOLDER}", [(3, (70, 90))]),
 ]
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+N = 24  # greedy tokens compared
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("budget", [None, 9], ids=["whole-prompts", "chunks-inside-images"])
@@ -87,7 +88,23 @@ def test_greedy_matches_transformers_in_mixed_batches(qwen_vl, budget):
         images = [image(s, size) for s, size in imgs]
         ids, _ = hf_inputs(qwen_vl, text, images)
         assert list(out.prompt_token_ids) == ids[0].tolist()
-        assert list(out.outputs[0].token_ids) == hf_greedy(qwen_vl, text, images, 10), text
+        assert list(out.outputs[0].token_ids) == hf_greedy(qwen_vl, text, images, N), text
+
+
+def test_image_in_a_multi_turn_chat(qwen_vl):
+    from portaserve.framework.engine.chat import without_image_data
+
+    llm = LLM(model=qwen_vl, dtype="float32", device="cpu")
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": image(8, (70, 90))}]},
+        {"role": "assistant", "content": "I see noise."},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image", "image": image(9)}]},
+    ]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    text = llm.get_tokenizer().apply_chat_template(without_image_data(conversation))
+    images = [image(8, (70, 90)), image(9)]
+    assert list(out.prompt_token_ids) == hf_inputs(qwen_vl, text, images)[0][0].tolist()
+    assert list(out.outputs[0].token_ids) == hf_greedy(qwen_vl, text, images, N)
 
 
 def test_multimodal_rope_positions_match_get_rope_index(qwen_vl):
@@ -128,6 +145,6 @@ def test_prefix_cache_and_encoder_cache_with_images(qwen_vl):
     for seed in (4, 5, 5):
         outs.append(llm.generate({"prompt": text, "multi_modal_data": {"image": image(seed, (70, 90))}}, GREEDY,
                                  use_tqdm=False)[0])
-    assert list(outs[1].outputs[0].token_ids) == hf_greedy(qwen_vl, text, [image(5, (70, 90))], 10)
+    assert list(outs[1].outputs[0].token_ids) == hf_greedy(qwen_vl, text, [image(5, (70, 90))], N)
     assert outs[1].num_cached_tokens == 0 and outs[2].num_cached_tokens > 0
     assert list(outs[2].outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)

@@ -84,16 +84,39 @@ def reference(folder: str, text: str, images: list, max_new_tokens: int) -> tupl
     return out[0, inputs["input_ids"].shape[1]:].tolist(), inputs["input_ids"].shape[1]
 
 
-def test_data_url_image_matches_transformers(client, srv, llava):
+def test_data_url_image_matches_transformers_and_the_python_api(client, srv, llava):
     messages = user({"type": "text", "text": "What is in the picture?"}, image_part(data_url(picture(7)), "high"))
-    resp = client.chat.completions.create(model="llava", messages=messages, max_tokens=8, temperature=0,
+    resp = client.chat.completions.create(model="llava", messages=messages, max_tokens=24, temperature=0,
                                           extra_body={"ignore_eos": True, "logprobs": False})
     tokenizer = srv.engine.tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": [
         {"type": "text", "text": "What is in the picture?"}, {"type": "image"}]}])
-    ref, ref_prompt = reference(llava, text, [picture(7)], 8)
+    ref, ref_prompt = reference(llava, text, [picture(7)], 24)
     assert tokenizer.decode(ref) == resp.choices[0].message.content
     assert resp.usage.prompt_tokens == ref_prompt  # the image's 16 tokens are counted
+    from portaserve import LLM, SamplingParams
+
+    llm = LLM(model=llava, dtype="float32", device="cpu")
+    offline = llm.chat(user({"type": "text", "text": "What is in the picture?"}, {"type": "image", "image": picture(7)}),
+                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert offline.outputs[0].text == resp.choices[0].message.content
+
+
+def test_models_say_images_and_a_repeated_image_hits_the_encoder_cache(client, srv):
+    card = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
+    assert card["input_modalities"] == ["text", "image"]
+
+    def hits() -> float:
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith("portaserve:encoder_cache_hits_total"))
+        return float(line.split()[-1])
+
+    url = data_url(picture(42))
+    client.chat.completions.create(model="llava", messages=user(image_part(url)), max_tokens=1)
+    before = hits()
+    client.chat.completions.create(model="llava", messages=user({"type": "text", "text": "again"}, image_part(url)),
+                                   max_tokens=1)
+    assert hits() == before + 1
 
 
 def test_jpeg_webp_and_local_files_load(client, media_dir):
@@ -109,8 +132,24 @@ def test_streaming_with_an_image(client):
     assert chunks[-1].usage.prompt_tokens > 16
 
 
+def huge_png() -> str:
+    """A valid small PNG whose header claims 100000 x 100000 pixels (a decompression bomb)."""
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    picture(1).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    data[16:24] = struct.pack(">II", 100_000, 100_000)  # IHDR width, height
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return "data:image/png;base64," + base64.b64encode(bytes(data)).decode()
+
+
 @pytest.mark.parametrize("part, where, reason", [
     (image_part("data:image/png;base64,bm90IGFuIGltYWdl"), "messages[0].content[1]", "image"),
+    (image_part(huge_png()), "messages[0].content[1]", "pixels"),
+    (image_part("http://127.0.0.1/cat.png"), "messages[0].content[1]", "allowed"),
+    (image_part("http://169.254.169.254/latest/meta-data"), "messages[0].content[1]", "allowed"),
     (image_part("https://example.com/cat.png"), "messages[0].content[1]", "allowed"),
     (image_part("file:///etc/passwd"), "messages[0].content[1]", "allowed"),
     ({"type": "image_url", "image_url": {}}, "messages[0].content[1].image_url.url", "non-empty"),
@@ -131,3 +170,22 @@ def test_too_many_images_and_oversized_prompts_are_refused(srv):
     ok = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
                     json={"model": "llava", "max_tokens": 2, "messages": user(image_part(data_url(picture(1))))})
     assert ok.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def allowlisted(llava):
+    """A server that allowlists the loopback and metadata addresses by name: still refused."""
+    settings = ServerSettings(allowed_media_domains=("127.0.0.1", "169.254.169.254", "localhost"))
+    with ServerThread(EngineConfig.create(model=llava, served_model_name="llava", dtype="float32"), settings) as server:
+        yield server
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/cat.png", "http://169.254.169.254/latest/meta-data",
+                                 "http://localhost:8000/v1/models"])
+def test_private_addresses_are_refused_even_when_allowlisted(allowlisted, url):
+    body = {"model": "llava", "max_tokens": 2, "messages": user(image_part(url))}
+    r = httpx.post(allowlisted.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "messages[0].content[0]" in err["message"] and ("private" in err["message"] or "loopback" in err["message"]
+                                                           or "public" in err["message"]), err
