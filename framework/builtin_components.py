@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.3"
+PORTASERVE_CONTRACT = "1.5"
 
 
 @hookimpl
@@ -41,4 +41,12 @@ def portaserve_tool_parsers():
     return {
         "hermes": f"{_PARSERS}.tools:HermesToolParser",
         "llama3_json": f"{_PARSERS}.tools:Llama3JsonToolParser",
+    }
+
+
+@hookimpl
+def portaserve_structured_output_backends():
+    return {
+        "xgrammar": "portaserve.framework.structured.xgrammar_backend:XgrammarBackend",
+        "llguidance": "portaserve.framework.structured.llguidance_backend:LlguidanceBackend",
     }

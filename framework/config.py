@@ -68,6 +68,9 @@ class EngineConfig(BaseModel):
     strict_plugins: bool = False
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    structured_outputs_backend: str = Field(
+        "auto", description="the grammar backend for structured outputs: 'auto' (xgrammar if installed, else "
+        "llguidance), or a registered backend's name")
     limit_mm_per_prompt: dict[str, int] | None = Field(
         None, description="most media items per prompt by modality, as JSON: '{\"image\": 4}' (default 8 images)")
     logits_processors: list[str] | None = Field(

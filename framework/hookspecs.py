@@ -62,6 +62,10 @@ History:
   replaces). A vision encoder attends through an attention backend's encoder mode
   (``AttentionSpec.causal`` False, already in the conformance kit). Defaults (no images)
   keep 1.x models unchanged.
+- 1.5: structured outputs: ``portaserve_structured_output_backends`` (grammar backends
+  by name, the ``StructuredOutputBackend`` interface: compile a constraint for the
+  model's vocabulary, match tokens, fill a token bitmask, roll back) and the
+  ``apply_token_bitmask`` op (a torch reference; the GPU platforms bind a Triton kernel).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "portaserve"
 #: The contract version of this portaserve: (major, minor).
-CONTRACT_VERSION = (1, 4)
+CONTRACT_VERSION = (1, 5)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorator for plugin hook implementations: ``@hookimpl def portaserve_platform(): ...``
@@ -215,3 +219,12 @@ def portaserve_reasoning_parsers() -> "Mapping[str, type | str]":
 @hookspec
 def portaserve_tool_parsers() -> "Mapping[str, type | str]":
     """Return tool-call parsers by name (``--tool-call-parser NAME``)."""
+
+
+@hookspec
+def portaserve_structured_output_backends() -> "Mapping[str, type | str]":
+    """Return structured-output backends by name (``--structured-outputs-backend NAME``):
+    subclasses of ``portaserve.framework.interfaces.structured_output.StructuredOutputBackend``
+    (or "module:Class" strings, imported when chosen). The plan picks the one asked for, or
+    the first whose library is installed (xgrammar, then llguidance); the conformance kit
+    checks every registered one (contract 1.5)."""

@@ -58,6 +58,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs' mask: logits [rows, vocab]; bitmask [rows, ceil(vocab / 32)] int32,
+    bit j of word i set when token 32 * i + j is allowed -> logits with every other token at -inf."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 # ----- sample inputs for the conformance kit ------------------------------------------
 
 
@@ -95,6 +104,17 @@ def rotary_samples(device, dtype, gen):
     return out
 
 
+def bitmask_samples(device, dtype, gen):
+    out = []
+    for rows, vocab in ((1, 100), (3, 1000), (5, 32005)):
+        logits = _randn(gen, rows, vocab, dtype=dtype, device=device)
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+        bitmask[0] = -1  # a row that allows everything (a request without a grammar)
+        out.append((logits, bitmask.to(device)))
+    return out
+
+
 _HERE = "portaserve.framework.op_references"
 
 BUILTIN_OP_SPECS = (
@@ -110,5 +130,12 @@ BUILTIN_OP_SPECS = (
         "rotary_embedding(positions: [t], q: [t, heads, d], k: [t, kv_heads, d], cos_sin_cache: [positions, rot] "
         "float32, is_neox: bool) -> (q, k) rotated",
         rotary_embedding, f"{_HERE}:rotary_samples", mutates_inputs=True,
+    ),
+    OpSpec(
+        "apply_token_bitmask",
+        "apply_token_bitmask(logits: [rows, vocab], bitmask: [rows, ceil(vocab/32)] int32) -> logits, disallowed "
+        "tokens at -inf (op 1.5)",
+        apply_token_bitmask, f"{_HERE}:bitmask_samples", tolerances={torch.float32: 0.0, torch.bfloat16: 0.0,
+                                                                     torch.float16: 0.0}, mutates_inputs=True,
     ),
 )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .errors import UnsupportedError
+from .errors import UnsupportedError, invalid
 from .interfaces import AttentionSpec, DeviceInfo, Platform
 from .interfaces.ops import REFERENCE
 from .plugins import PluginRegistry
@@ -71,6 +71,8 @@ class ExecutionPlan:
     block_size_choice: Choice = Choice("16", "default")
     #: True when the model is the platform's own implementation of the architecture.
     platform_model: bool = False
+    #: The structured-outputs backend (name "none" when none can run: such requests get a 400).
+    structured_outputs: Choice = Choice("none", "not chosen")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,6 +98,7 @@ class ExecutionPlan:
             ("quantization", self.quantization),
             ("compilation", self.compilation),
             ("prefill_cap", self.prefill_cap),
+            ("structured_outputs", self.structured_outputs),
         ]
         return rows
 
@@ -180,8 +183,31 @@ def resolve_plan(
         block_size_choice=block_size_choice,
         platform_model=registry.platform_models.get((platform.name, arch_choice.name)) is not None
         and arch_cls is registry.platform_models[(platform.name, arch_choice.name)].load(),
+        structured_outputs=choose_structured_backend(config, registry),
         **_choose_prefill_cap(config, platform, is_pooling=bool(getattr(arch_cls, "is_pooling", False))),
     )
+
+
+def choose_structured_backend(config: EngineConfig, registry: PluginRegistry) -> Choice:
+    """The requested structured-outputs backend, or for 'auto' the first that can run
+    (xgrammar, then llguidance, then any other registered one)."""
+    names = registry.names("structured_output_backends")
+    wanted = config.structured_outputs_backend
+    if wanted != "auto":
+        if wanted not in names:
+            raise invalid("structured_outputs_backend", f"{wanted!r} is not registered; registered: {', '.join(names) or 'none'}")
+        reason = registry.get("structured_output_backends", wanted).unavailable_reason()
+        if reason is not None:
+            raise invalid("structured_outputs_backend", f"{wanted!r} cannot run: {reason}")
+        return Choice(wanted, "--structured-outputs-backend")
+    order = sorted(names, key=lambda n: ({"xgrammar": 0, "llguidance": 1}.get(n, 2), n))
+    rejected = []
+    for name in order:
+        reason = registry.get("structured_output_backends", name).unavailable_reason()
+        if reason is None:
+            return Choice(name, "the first available of " + ", ".join(order), tuple(rejected))
+        rejected.append((name, reason))
+    return Choice("none", "no structured-outputs backend is installed (pip install xgrammar)", tuple(rejected))
 
 
 def resolve_platform_choices(

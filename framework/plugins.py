@@ -50,6 +50,7 @@ _COMPONENT_HOOKS: dict[str, tuple[str, type | None]] = {
     "portaserve_reasoning_parsers": ("reasoning_parsers", None),
     "portaserve_tool_parsers": ("tool_parsers", None),
     "portaserve_checkpoint_writers": ("checkpoint_writers", None),
+    "portaserve_structured_output_backends": ("structured_output_backends", None),
 }
 _BASES = {kind: base for kind, base in _COMPONENT_HOOKS.values()}
 COMPONENT_KINDS = tuple(kind for kind, _ in _COMPONENT_HOOKS.values())

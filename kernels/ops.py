@@ -13,6 +13,7 @@ _FUNCTIONS = {
     "fused_add_rms_norm": "portaserve.kernels.rms_norm:fused_add_rms_norm",
     "silu_and_mul": "portaserve.kernels.activation:silu_and_mul",
     "rotary_embedding": "portaserve.kernels.rotary:rotary_embedding",
+    "apply_token_bitmask": "portaserve.kernels.token_bitmask:apply_token_bitmask",
 }
 
 

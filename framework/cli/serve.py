@@ -137,6 +137,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("trust_remote_code", "accepted for vLLM compatibility; portaserve never runs a checkpoint's code",
          kind="switch"),
     Flag("skip_tokenizer_init", "no tokenizer: serve token ids only (/inference/v1/generate)", kind="switch"),
+    Flag("structured_outputs_backend", "grammar backend for response_format / structured_outputs: 'auto' "
+         "(xgrammar if installed, else llguidance) or a registered backend's name"),
     Flag("limit_mm_per_prompt", "most media items per prompt, as JSON: '{\"image\": 4}' (default 8 images)",
          type=str, metavar="JSON"),
     Flag("logits_processors", "fully-qualified 'module:Class' logits processors applied to every request "

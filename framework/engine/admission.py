@@ -1,4 +1,5 @@
-"""Admission checks: whether a request can ever be served by a scheduler's engine.
+"""Admission and stop checks: whether a request can ever be served by a scheduler's
+engine, and whether a sampled token ends it.
 
 Refused up front, with an error naming the parameter to change, rather than left to
 wait forever or to preempt its siblings endlessly: a prompt too long for the model,
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from portaserve.framework.errors import InvalidParameterError, invalid
 
-from .request import Request
+from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -88,3 +89,23 @@ def check_siblings_fit(scheduler: "Scheduler", requests: Sequence[Request]) -> N
             f"{generating[0].max_tokens} need {needed} KV blocks together, but the cache holds {usable} "
             f"(blocks of {bs}); lower n or max_tokens",
         )
+
+
+def check_stop(request: Request, token: int, max_model_len: int) -> bool:
+    """Whether `token` (just appended) ends the request, setting its status: vLLM's order,
+    EOS, then stop tokens (neither before min_tokens), then length."""
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    if params is None or num_output >= params.min_tokens:
+        if token in request.eos_token_ids and not (params is not None and params.ignore_eos):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
+            return True
+        if params is not None and params.stop_token_ids and token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return True
+    if num_output >= request.max_tokens or len(request.prompt_token_ids) + num_output >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False

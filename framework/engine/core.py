@@ -17,6 +17,7 @@ from portaserve.framework.engine.scheduler_output import EngineCoreOutput
 from portaserve.framework.engine.startup import EngineSpec, default_num_batched_tokens
 from portaserve.framework.errors import InvalidParameterError, invalid
 from portaserve.framework.executor.executor import Executor, make_executor
+from portaserve.framework.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("portaserve")
 
@@ -44,6 +45,7 @@ class EngineCore:
             scheduling_policy=config.scheduling_policy,
             max_prefill_tokens_with_decodes=spec.plan.prefill_cap_with_decodes,
             block_manager=self.block_manager,
+            structured=None if spec.is_pooling else StructuredOutputManager(spec, spec.plan.structured_outputs.name),
         )
         self.weights_version = 0
         self.sleep_level = 0

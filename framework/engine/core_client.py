@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 

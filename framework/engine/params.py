@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from portaserve.framework.errors import InvalidParameterError, invalid
+from portaserve.framework.structured.params import StructuredOutputsParams
 
 # A logits processor sees (output token ids so far, logits row [vocab]) and returns the
 # row to sample from; used by tests to force an output (not exposed over HTTP).
@@ -58,6 +59,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    #: a JSON schema, regex, choice or grammar the output must follow (structured outputs)
+    structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: list[LogitsProcessor] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -90,6 +90,18 @@ class InputProcessor:
                 raise invalid(f"multi_modal_data.image[{k}]", f"must be a PIL.Image.Image, got {type(image).__name__}")
         return images
 
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """The backend's own validation of the constraint: an invalid schema, regex or
+        grammar is a 400 here, before the engine compiles anything."""
+        from portaserve.framework.plugins import get_registry
+        from portaserve.framework.structured.params import check_with_backend
+
+        choice = self.spec.plan.structured_outputs
+        name = params.structured_outputs.field_name
+        if choice.name == "none":
+            raise invalid(name, f"structured outputs are unavailable: {choice.reason}")
+        check_with_backend(params.structured_outputs, get_registry().get("structured_output_backends", choice.name))
+
     def _check_features(self, features, token_ids: list[int]) -> tuple:
         from portaserve.framework.multimodal.inputs import MultiModalFeature
 
@@ -147,6 +159,8 @@ class InputProcessor:
         if self.spec.is_pooling:
             raise invalid("model", "this is an embedding model; it cannot generate text (use embeddings)")
         params.validate_for_model(len(token_ids), self.spec.max_model_len, self.vocab_size, self.spec.config.max_logprobs)
+        if params.structured_outputs is not None:
+            self._check_constraint(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.spec.max_model_len - len(token_ids)
         children = []
         for i in range(params.n):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from portaserve.framework.multimodal.inputs import MultiModalFeature
 
@@ -53,6 +54,8 @@ class Request:
     max_tokens: int = 16  # resolved by the engine (SamplingParams.max_tokens or max_model_len - prompt)
     # the prompt's images, their placeholders already expanded in prompt_token_ids
     mm_features: tuple[MultiModalFeature, ...] = ()
+    # structured outputs: the engine core's GrammarState (compile, then matcher); set there
+    grammar: Any = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -20,12 +20,10 @@ vLLM v1's unified scheme, pure Python (no tensors, no vendor checks):
 - `update_from_output` appends sampled tokens, applies the stop rules (EOS unless
   ignore_eos, then stop_token_ids — neither before min_tokens — then max_tokens and
   max_model_len), frees finished requests and returns their EngineCoreOutputs.
-- Images (multimodal requests): a prefill chunk that reaches an image's placeholder
-  tokens needs the image's encoder output. It is either in the encoder cache
-  (encoder_cache.py) or encoded this step within the step's encoder budget; when
-  neither is possible the chunk stops before the image (a chunk may end inside an
-  image whose encoding is available: chunked prefill and preemption work across
-  an image's tokens).
+- A chunk reaching an image's placeholders needs its encoder output: cached
+  (encoder_cache.py) or encoded this step within the encoder budget, else the chunk
+  stops before the image. Structured outputs: a request waits outside the queue while
+  its grammar compiles; each step carries the bitmask rows of the sequences it samples.
 
 `request.num_computed_tokens` always counts tokens whose K/V is written (or will be,
 by the step just scheduled): `schedule()` advances it for everything it scheduled.
@@ -38,10 +36,11 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from portaserve.framework.errors import invalid
 
-from .admission import check_request_fits, check_siblings_fit
+from .admission import check_request_fits, check_siblings_fit, check_stop
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCacheManager
 from .request_queue import FcfsQueue, PriorityQueue
@@ -112,6 +111,7 @@ class Scheduler:
         max_prefill_tokens_with_decodes: int | None = None,
         encoder_budget: int | None = None,
         encoder_cache_size: int | None = None,
+        structured: Any = None,
     ) -> None:
         if max_prefill_tokens_with_decodes is not None and (
             not isinstance(max_prefill_tokens_with_decodes, int) or max_prefill_tokens_with_decodes < 1
@@ -141,6 +141,10 @@ class Scheduler:
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.policy = scheduling_policy
         self.block_manager = block_manager
+        # structured outputs (framework/structured/manager.py); requests whose grammar is
+        # compiling wait here, outside the queue, so they hold up no one
+        self.structured = structured
+        self._compiling: dict[str, Request] = {}
         # image embeddings encoded per step (at least one large image's, even under a small
         # token budget: a chunk may then end inside it) and kept between steps
         self.encoder_budget = encoder_budget or max(max_num_batched_tokens, MIN_ENCODER_BUDGET)
@@ -172,10 +176,17 @@ class Scheduler:
         if rid in self.requests:
             raise invalid("request_id", f"{rid!r} is already in use by an unfinished request")
         check_request_fits(self, request)
+        params = request.sampling_params
+        if params is not None and params.structured_outputs is not None and self.structured is None:
+            raise invalid("structured_outputs", "this engine has no structured-outputs backend")
         request.status = RequestStatus.WAITING
         self._order[rid] = next(self._counter)
         self.requests[rid] = request
-        self.waiting.push(request)
+        if params is not None and params.structured_outputs is not None:
+            self.structured.submit(request)
+            self._compiling[rid] = request
+        else:
+            self.waiting.push(request)
 
     def check_siblings_fit(self, requests: Sequence[Request]) -> None:
         """The `n` sequences of one prompt must fit in the KV cache together (admission.py)."""
@@ -212,7 +223,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self._compiling.pop(rid, None) is None:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
@@ -269,6 +280,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch; advances each scheduled request's num_computed_tokens."""
+        if self._compiling:
+            self._admit_compiled()
         step = _Step(self.max_num_batched_tokens, self._prefill_budget(), self.encoder_budget)
         preempted_running = self._schedule_running(step)
         if not preempted_running:
@@ -421,6 +434,24 @@ class Scheduler:
         if rid not in self._prompt_logprobs_sent:
             self._prompt_logprobs.pop(rid, None)  # the prompt is recomputed from 0
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the queue; one whose compile failed ends."""
+        for rid, request in list(self._compiling.items()):
+            if not self.structured.poll(request):
+                continue
+            del self._compiling[rid]
+            if request.grammar.error is None:
+                self.waiting.push(request)
+            else:
+                self._fail(request, request.grammar.error, self._pending_outputs)
+
+    def _fail(self, request: Request, message: str, outputs: list[EngineCoreOutput]) -> None:
+        """End this request alone with an error (the rest of the batch goes on)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        outputs.append(EngineCoreOutput(req_id=request.request_id, new_token_ids=(), finish_reason=request.finish_reason,
+                                        num_cached_tokens=request.num_cached_tokens, error=message))
+        self._release(request)
+
     def _plan_encoder(self, request: Request, start: int, num_new: int, step: _Step):
         return self.encoder_cache.plan(request.mm_features, start, num_new, step.encoder_budget)
 
@@ -454,11 +485,12 @@ class Scheduler:
             request = requests[rid]
             request.num_computed_tokens += n
             if request.mm_features:  # images wholly consumed no longer need their encoder output
-                done = [f.hash for f in request.mm_features if f.end <= request.num_computed_tokens]
-                if done:
-                    self.encoder_cache.release(rid, keys=done)
+                self.encoder_cache.release(rid, keys=[f.hash for f in request.mm_features if f.end <= request.num_computed_tokens])
         total = sum(num_scheduled.values())
         finished = frozenset(self._finished_ids)
+        constrained = [r for r in (requests[rid] for rid in num_scheduled)
+                       if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]  # they sample this step
+        grammar_ids, grammar_bitmask = self.structured.bitmask(constrained) if constrained else ((), b"")
         if total:
             # An engine may skip the runner on an empty step, so keep the ids until a
             # step that reaches it (the runner ignores ids it does not know).
@@ -472,6 +504,8 @@ class Scheduler:
             finished_req_ids=finished,
             scheduled_encoder_inputs=tuple(step.encoder_inputs),
             free_encoder_hashes=self.encoder_cache.take_freed(),
+            grammar_req_ids=grammar_ids,
+            grammar_bitmask=grammar_bitmask,
         )
 
     # ----- results ---------------------------------------------------------------
@@ -490,7 +524,7 @@ class Scheduler:
         requests = self.requests
         running_status = RequestStatus.RUNNING
         sent = self._prompt_logprobs_sent
-        check_stop = self._check_stop
+        max_model_len = self.max_model_len
         any_finished = False
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
@@ -519,11 +553,7 @@ class Scheduler:
                 continue
             token = sampled.get(rid)
             if token is None and rid in errors:
-                # this request alone failed; the rest of the batch goes on
-                request.status = RequestStatus.FINISHED_ERROR
-                outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=(), finish_reason=request.finish_reason,
-                                                num_cached_tokens=request.num_cached_tokens, error=errors[rid]))
-                self._release(request)
+                self._fail(request, errors[rid], outputs)
                 any_finished = True
                 continue
             if token is None:
@@ -531,8 +561,12 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=(), prompt_logprobs=plp,
                                                     num_cached_tokens=request.num_cached_tokens))
                 continue
+            if request.grammar is not None and not self.structured.accept(request, token):
+                self._fail(request, f"structured outputs: the grammar refused the sampled token {token}", outputs)
+                any_finished = True
+                continue
             request.output_token_ids.append(token)
-            finished = check_stop(request, token)
+            finished = check_stop(request, token, max_model_len)
             lp = logprobs.get(rid) if logprobs else None
             outputs.append(
                 EngineCoreOutput(
@@ -563,21 +597,3 @@ class Scheduler:
         del self._prompt_logprobs[rid]
         self._prompt_logprobs_sent.add(rid)
         return tuple(acc)
-
-    def _check_stop(self, request: Request, token: int) -> bool:
-        """vLLM's order: EOS, stop tokens (neither before min_tokens), then length."""
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if params is None or num_output >= params.min_tokens:
-            if token in request.eos_token_ids and not (params is not None and params.ignore_eos):
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None
-                return True
-            if params is not None and params.stop_token_ids and token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
-        if num_output >= request.max_tokens or len(request.prompt_token_ids) + num_output >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False

@@ -57,6 +57,10 @@ class SchedulerOutput:
     scheduled_encoder_inputs: tuple[MultiModalFeature, ...] = ()
     # encoder outputs (by feature hash) the runner drops before computing new ones
     free_encoder_hashes: tuple[str, ...] = ()
+    # structured outputs: the requests that sample under a grammar this step, and their
+    # allowed-token bitmask rows (int32 [len(ids), ceil(vocab / 32)], as bytes)
+    grammar_req_ids: tuple[str, ...] = ()
+    grammar_bitmask: bytes = b""
 
     @property
     def is_empty(self) -> bool:

@@ -60,7 +60,11 @@ class ModelRunner:
         self.arch_cls = self.plan.model_class(registry)
         self.layer_types = list(self.arch_cls.attention_layer_types(spec.hf_config))
         # Backend instances used to build per-step metadata (stateless besides their spec).
-        self.backends = LayerContext.from_plan(self.plan, registry, self.device, tp_rank, tp_size).attention_backends()
+        context = LayerContext.from_plan(self.plan, registry, self.device, tp_rank, tp_size)
+        self.backends = context.attention_backends()
+        # structured outputs' mask on the logits (the platform's kernel or the torch reference)
+        self._apply_token_bitmask = context.ops.get("apply_token_bitmask")
+        self._grammar: tuple[tuple[str, ...], bytes] = ((), b"")
         # The backends whose metadata a step needs: those of the decoder's layers (a vision
         # tower builds its own per batch of images); every one for an encoder-only model.
         self.step_backends = {t: b for t, b in self.backends.items() if t in self.layer_types or not self.layer_types}
@@ -201,6 +205,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         if sched.scheduled_encoder_inputs:
             self._run_encoder(sched.scheduled_encoder_inputs)
+        self._grammar = (sched.grammar_req_ids, sched.grammar_bitmask)
         inputs = self._prepare_inputs(sched)
         hidden = self._run_model(inputs)
         for state, n in zip(inputs.states, inputs.query_lens.tolist()):
@@ -330,6 +335,8 @@ class ModelRunner:
         index = torch.as_tensor(inputs.query_start_loc[1:][sample_rows] - 1, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         sample_ids = [states[i].req_id for i in sample_rows]
+        if self._grammar[0]:
+            logits = self._mask_logits(logits, sample_ids)
         out = self.sampler(logits, self.sampling.make_metadata(sample_ids, logits.device))
         sampled_ids = out.sampled_token_ids
         if self.tp_size > 1 and self.communicator is not None:
@@ -359,6 +366,17 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs, errors=errors
         )
+
+    def _mask_logits(self, logits: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
+        """Tokens a grammar forbids at -inf, for the rows of requests under one (structured outputs)."""
+        ids, data = self._grammar
+        rows = torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(ids), -1)
+        position = {rid: i for i, rid in enumerate(ids)}
+        mask = torch.full((len(sample_ids), rows.shape[1]), -1, dtype=torch.int32)
+        for row, rid in enumerate(sample_ids):
+            if rid in position:
+                mask[row] = rows[position[rid]]
+        return self._apply_token_bitmask(logits, mask.to(logits.device))
 
     def _prompt_logprobs(self, states, query_start_loc, hidden) -> dict[str, tuple[Logprobs, ...]]:
         """Logprobs of each prompt token given its prefix, for requests that asked for them.

@@ -102,4 +102,4 @@ class OpImpl:
 #: The plan's binding name for an op that runs its reference implementation.
 REFERENCE = "reference"
 #: The ops portaserve itself declares (framework/op_references.py).
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "apply_token_bitmask")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from portaserve.framework.errors import InvalidParameterError, invalid
+from portaserve.framework.structured.params import from_request as structured_from_request
 
 
 logger = logging.getLogger("portaserve.server")
@@ -66,8 +67,18 @@ class NamedToolChoice(OpenAIBaseModel):
     function: NamedFunction
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), populate_by_name=True)
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag", "grammar", "regex"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 # ----- sampling fields shared by chat and completions ------------------------------------------
@@ -109,23 +120,23 @@ class SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
-    # accepted only to be rejected with a clear message (see unsupported_fields)
+    # structured outputs: vLLM's object and its legacy fields (framework/structured/params.py)
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: Any = None
+    disable_any_whitespace: bool = False
+    # accepted only to be rejected with a clear message (see unsupported_fields)
     logits_processors: Any = None
 
     def unsupported_fields(self) -> None:
         """Raise for any field that changes the output but is not supported yet."""
         self.report_ignored()
         fmt = self.response_format
-        if fmt is not None and fmt.type != "text":
-            raise invalid("response_format", f"{fmt.type!r}: structured output is not supported yet; only 'text' is")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise invalid(name, "structured output is not supported yet")
+        if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+            raise invalid("response_format", f"type {fmt.type!r}: supported are 'text', 'json_object' and 'json_schema' "
+                                             f"(regex, grammar and structural tags: the structured_outputs field)")
         if self.use_beam_search:
             raise invalid("use_beam_search", "beam search is not supported")
         if self.length_penalty != 1.0:
@@ -153,6 +164,7 @@ class SamplingRequest(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             prompt_logprobs=self.prompt_logprobs,
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=structured_from_request(self),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)

@@ -44,7 +44,8 @@ def test_resolved_plan_on_simulated_cuda_binds_triton(fake_devices, plugin_env, 
     assert plan.platform.name == "cuda"
     assert {choice.name for _, choice in plan.attention} == {"triton"}
     bound = {op: impl for op, impl in plan.custom_ops if impl != "reference"}  # installed plugins may declare more ops
-    assert bound == {op: "triton" for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")}
+    assert bound == {op: "triton" for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+                                            "apply_token_bitmask")}
     assert "triton" in str(plan)
 
 

@@ -194,6 +194,13 @@ def test_triton_ops():
     assert torch.allclose(ops["rms_norm"](x, w, 1e-6), ref, atol=1e-5)
     out, residual = ops["fused_add_rms_norm"](x, x, w, 1e-6)
     assert torch.allclose(residual, 2 * x) and torch.allclose(out, ref, atol=1e-5)
+    # structured outputs' mask: the kernel against the torch reference, a vocabulary that
+    # is not a multiple of the block nor of 32
+    from portaserve.framework.op_references import apply_token_bitmask, bitmask_samples
+
+    for logits, bitmask in bitmask_samples(DEVICE, torch.float32, torch.Generator().manual_seed(0)):
+        expected = apply_token_bitmask(logits, bitmask)
+        assert torch.equal(ops["apply_token_bitmask"](logits.clone(), bitmask), expected)
 
 
 # ----- end to end ---------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""The engine core's side of structured outputs.
+
+- The backend (the plan's `structured_outputs` choice) is built on first use from the
+  model's tokenizer, loaded here: the engine core otherwise has none.
+- A request's constraint compiles on a worker thread, cached by the constraint (the
+  same schema from many requests compiles once; `n` > 1 children share it). The
+  scheduler keeps the request out of the waiting queue until `poll` says it is ready,
+  so a slow compile blocks no other request; one past COMPILE_TIMEOUT_S fails that
+  request alone.
+- Each sequence has its own matcher. Before a step, `bitmask` fills one row per
+  sequence that samples in it; after, `accept` advances the matcher by the sampled
+  token. Tokens are only ever appended (preemption recomputes the KV cache but keeps
+  the tokens), so matchers never need to go back here; `GrammarMatcher.rollback` is
+  for speculative decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from portaserve.framework.errors import invalid
+from portaserve.framework.interfaces.structured_output import Constraint, GrammarError, VocabInfo, bitmask_words
+
+logger = logging.getLogger("portaserve")
+
+COMPILE_TIMEOUT_S = 30.0
+CACHE_SIZE = 256
+#: tokens a matcher can roll back (speculative proposals)
+MAX_ROLLBACK_TOKENS = 16
+
+
+@dataclass
+class GrammarState:
+    """A request's grammar: the compile in flight, then its matcher."""
+
+    future: Future
+    submitted: float = field(default_factory=time.monotonic)
+    matcher: Any = None
+    error: str | None = None
+
+
+class StructuredOutputManager:
+    def __init__(self, spec: Any, backend_name: str, registry: Any = None) -> None:
+        self.spec = spec
+        self.backend_name = backend_name
+        self._registry = registry
+        self._backend = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[Constraint, Future] = OrderedDict()
+        self.num_compiled = 0
+
+    # ----- the backend --------------------------------------------------------------------
+
+    def backend(self):
+        with self._lock:
+            if self._backend is None:
+                if self.backend_name == "none":
+                    raise invalid("structured_outputs", "no structured-outputs backend is installed "
+                                  "(pip install xgrammar, or llguidance)")
+                from portaserve.framework.engine.tokenizer import Tokenizer
+                from portaserve.framework.plugins import get_registry
+
+                tokenizer = Tokenizer.from_pretrained(self.spec.tokenizer_path)
+                registry = self._registry or get_registry()
+                self._backend = registry.get("structured_output_backends", self.backend_name)(vocab_info(self.spec, tokenizer))
+            return self._backend
+
+    # ----- requests ---------------------------------------------------------------------------
+
+    def submit(self, request: Any) -> None:
+        """Start compiling the request's constraint (or reuse the cached compile)."""
+        constraint = request.sampling_params.structured_outputs.constraint()
+        with self._lock:
+            future = self._cache.get(constraint)
+            if future is None:
+                future = self._pool.submit(self._compile, constraint)
+                self._cache[constraint] = future
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(constraint)
+        request.grammar = GrammarState(future)
+
+    def _compile(self, constraint: Constraint):
+        started = time.perf_counter()
+        compiled = self.backend().compile(constraint)
+        self.num_compiled += 1
+        logger.debug("compiled a %s constraint in %.3fs", constraint.kind, time.perf_counter() - started)
+        return compiled
+
+    def poll(self, request: Any) -> bool:
+        """True once the request's matcher is ready; False while compiling. Sets
+        `request.grammar.error` (and returns True) when the compile failed or timed out."""
+        state = request.grammar
+        if state.matcher is not None or state.error is not None:
+            return True
+        if not state.future.done():
+            if time.monotonic() - state.submitted > COMPILE_TIMEOUT_S:
+                state.error = (f"{request.sampling_params.structured_outputs.field_name}: the constraint took longer "
+                               f"than {COMPILE_TIMEOUT_S:.0f}s to compile")
+                with self._lock:  # a later request with it must not wait on the same compile
+                    for key, fut in list(self._cache.items()):
+                        if fut is state.future:
+                            del self._cache[key]
+                return True
+            return False
+        exc = state.future.exception()
+        if exc is not None:
+            name = request.sampling_params.structured_outputs.field_name
+            state.error = f"{name}: {exc}" if isinstance(exc, GrammarError) else f"{name}: {type(exc).__name__}: {exc}"
+            return True
+        state.matcher = state.future.result().matcher(MAX_ROLLBACK_TOKENS)
+        for token in request.output_token_ids:  # a resumed request's earlier tokens
+            state.matcher.accept_token(token)
+        return True
+
+    def bitmask(self, requests: list[Any]) -> tuple[tuple[str, ...], bytes]:
+        """(request ids, int32 bitmask rows as bytes) for the sequences that sample this step."""
+        import torch
+
+        if not requests:
+            return (), b""
+        mask = torch.full((len(requests), bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
+        for row, request in enumerate(requests):
+            request.grammar.matcher.fill_bitmask(mask, row)
+        return tuple(r.request_id for r in requests), mask.numpy().tobytes()
+
+    def accept(self, request: Any, token: int) -> bool:
+        """Advance the request's matcher; False when the grammar refuses the token."""
+        return request.grammar.matcher.accept_token(token)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def vocab_info(spec: Any, tokenizer: Any) -> VocabInfo:
+    """The model's vocabulary for a backend: the tokenizer's token strings padded to the
+    logits width, and the stop tokens (the tokenizer's EOS ids and the checkpoint's)."""
+    backend = tokenizer.backend
+    size = max(spec.vocab_size, backend.get_vocab_size(with_added_tokens=True))
+    encoded = [""] * size
+    for token, index in backend.get_vocab(with_added_tokens=True).items():
+        if index < size:
+            encoded[index] = token
+    stops = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    eos = spec.hf_config.get("eos_token_id")
+    stops |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return VocabInfo(backend.to_str(), tuple(encoded[: spec.vocab_size]), spec.vocab_size, tuple(sorted(stops)))

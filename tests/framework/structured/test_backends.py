@@ -1,0 +1,46 @@
+"""Both built-in backends (xgrammar, llguidance) against the contract's checks
+(framework/testing/structured_checks.py), case by case."""
+
+from __future__ import annotations
+
+import pytest
+
+from portaserve.framework.testing.structured_checks import CASES, INVALID, check_invalid, check_walk
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
+
+
+def backend(name: str):
+    from portaserve.framework.plugins import get_registry
+
+    return get_registry().get("structured_output_backends", name)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0].kind for c in CASES])
+def test_backend_walks_valid_outputs(name, case):
+    check_walk(backend(name), *case)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("constraint", INVALID, ids=[c.kind for c in INVALID])
+def test_backend_refuses_invalid_constraints(name, constraint):
+    check_invalid(backend(name), constraint)
+
+
+def test_a_compile_past_the_time_limit_fails_only_its_request(monkeypatch):
+    """The manager's poll: a compile still running after COMPILE_TIMEOUT_S ends the request."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from portaserve.framework.structured import manager as mgr
+    from portaserve.framework.structured.params import StructuredOutputsParams
+
+    m = mgr.StructuredOutputManager(SimpleNamespace(vocab_size=10), "xgrammar")
+    request = SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=StructuredOutputsParams(regex="a")),
+                              output_token_ids=[])
+    request.grammar = mgr.GrammarState(Future(), submitted=0.0)  # never completes
+    monkeypatch.setattr(mgr, "COMPILE_TIMEOUT_S", 5.0)
+    assert m.poll(request) and "longer than 5s" in request.grammar.error
+    m.shutdown()
