@@ -3,10 +3,10 @@
 Requests accept fields they do not know and ignore them, as vLLM does (clients send
 `user`, `metadata`, `store`, ... freely); the ignored names are logged. A field that
 would change what the client gets but that portaserve cannot do yet is rejected with a
-400 that says so (`unsupported_fields`), never silently ignored: structured output
-(`response_format` json_object / json_schema, `guided_*`, `structured_outputs`), beam
-search, `best_of` > `n`, per-request logits processors, audio, `suffix`, the deprecated
-`functions` / `function_call`, and `tool_choice: "required"`.
+400 that says so (`unsupported_fields`), never silently ignored: beam search, `best_of` >
+`n`, per-request logits processors, audio, `suffix`, the deprecated `functions` /
+`function_call`. Structured outputs (`response_format`, `structured_outputs`,
+`guided_*`) map onto framework/structured/params.py.
 """
 
 from __future__ import annotations
@@ -212,8 +212,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise invalid("functions", "the deprecated functions / function_call are not supported; use tools and tool_choice")
         if self.audio is not None or (self.modalities and any(m != "text" for m in self.modalities)):
             raise invalid("modalities", "only text output is supported")
-        if self.tool_choice == "required":
-            raise invalid("tool_choice", "'required' needs structured output, which is not supported yet; use 'auto' or a named tool")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
         if self.top_logprobs is not None and self.top_logprobs < 0:

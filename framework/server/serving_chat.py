@@ -6,11 +6,9 @@
 - `"auto"` (the default with tools): needs `--enable-auto-tool-choice` and
   `--tool-call-parser`; calls the parser finds are returned as `tool_calls`, with
   finish_reason `"tool_calls"`;
-- a named function: validated against `tools` and needs a `--tool-call-parser`. What is
-  enforced is the result, not the generation (structured output does not exist yet):
-  only calls to that function are returned, any other call is dropped, and finish_reason
-  is the model's own. The model is steered only by the template (it sees the tools);
-- `"required"`: rejected (it cannot be enforced without structured output).
+- `"required"` and a named function: enforced while sampling (tool_constraints.py): the
+  output is constrained to JSON calls of the tools (to the named function's arguments),
+  returned as `tool_calls` with finish_reason `"tool_calls"`; no parser is needed.
 
 `parallel_tool_calls: false` keeps the first call only.
 """
@@ -56,6 +54,7 @@ from portaserve.framework.server.serving_common import (
     until_disconnected,
 )
 from portaserve.framework.server.state import ServerState
+from portaserve.framework.server.tool_constraints import calls_from_output, tool_constraint
 from portaserve.framework.server.tracing import end_span
 
 
@@ -108,7 +107,9 @@ class _ChoiceParser:
         self.include_reasoning = req.include_reasoning
         if state.reasoning_parser_cls is not None:
             self.reasoning = state.reasoning_parser_cls(tokenizer, prompt=plan.prompt_text)
-        if state.tool_parser_cls is not None and req.tools and plan.tool_choice != "none":
+        # a forced choice ("required", a named function) was constrained to JSON calls: parsed here
+        self.constrained = plan.tool_choice if (plan.tool_choice == "required" or plan.forced_tool) else None
+        if state.tool_parser_cls is not None and req.tools and plan.tool_choice != "none" and self.constrained is None:
             self.tools = state.tool_parser_cls(tokenizer, tools=[t.model_dump(exclude_none=True) for t in req.tools])
         self.forced_tool = plan.forced_tool
         self.parallel = req.parallel_tool_calls is not False
@@ -128,6 +129,9 @@ class _ChoiceParser:
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.extract(text)
         calls: list[ToolCall] = []
+        if self.constrained is not None:
+            calls = self._keep(calls_from_output(content or "", self.constrained))
+            return (reasoning if self.include_reasoning else None), (None if calls else content or None), calls
         if self.tools is not None and content is not None:
             content, found = self.tools.extract(content)
             calls = self._keep(found)
@@ -142,6 +146,12 @@ class _ChoiceParser:
                 end = self.reasoning.finish()
                 reasoning, content = reasoning + end.reasoning, content + end.content
         calls: list[ToolCall] = []
+        if self.constrained is not None:  # the calls come whole, with the last delta
+            self._held = getattr(self, "_held", "") + content
+            if not final:
+                return (reasoning if self.include_reasoning else ""), "", []
+            calls = self._keep(calls_from_output(self._held, self.constrained))
+            return (reasoning if self.include_reasoning else ""), ("" if calls else self._held), calls
         if self.tools is not None:
             d = self.tools.feed(content)
             content, found = d.content, list(d.tool_calls)
@@ -187,8 +197,7 @@ class ChatService:
             names = [t.function.name for t in req.tools or ()]
             if forced not in names:
                 raise invalid("tool_choice", f"names the function {forced!r}, which is not in tools ({', '.join(names)})")
-            if state.tool_parser_cls is None:
-                raise invalid("tool_choice", "a named tool choice needs the server to run with --tool-call-parser")
+        constrained = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
@@ -214,8 +223,20 @@ class ChatService:
                 raise invalid("truncate_prompt_tokens", "cannot truncate a prompt with images")
             prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
         limits.check_prompt_logprobs(req.prompt_logprobs, len(prompt_ids))
+        kwargs = req.sampling_kwargs()
+        if constrained:
+            if kwargs.get("structured_outputs") is not None:
+                raise invalid("tool_choice", f"a forced tool call cannot be combined with "
+                                             f"{kwargs['structured_outputs'].field_name}")
+            kwargs["structured_outputs"] = tool_constraint(req.tools, tool_choice, req.parallel_tool_calls is not False,
+                                                           req.disable_any_whitespace)
+        so = kwargs.get("structured_outputs")
+        parser = state.reasoning_parser_cls
+        if so is not None and parser is not None and not prompt_text.rstrip().endswith(parser.end_token):
+            # a reasoning model: constrained from after its reasoning, found in the engine by these ids
+            so.reasoning_end = tokenizer.encode(parser.end_token, add_special_tokens=False)
         params = SamplingParams(
-            **req.sampling_kwargs(),
+            **kwargs,
             max_tokens=req.max_output_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
@@ -275,7 +296,7 @@ class ChatService:
         return TokenText(self.state.engine.tokenizer, bool(as_ids))
 
     def _finish_reason(self, plan: ChatPlan, reason: str | None, num_calls: int) -> str | None:
-        if reason is not None and num_calls and plan.tool_choice == "auto":
+        if reason is not None and num_calls and plan.tool_choice != "none":
             return "tool_calls"
         return reason
 

@@ -43,6 +43,8 @@ class GrammarState:
     submitted: float = field(default_factory=time.monotonic)
     matcher: Any = None
     error: str | None = None
+    #: a reasoning model still inside its reasoning section: not constrained yet
+    reasoning_end: tuple[int, ...] = ()
 
 
 class StructuredOutputManager:
@@ -86,7 +88,7 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(constraint)
-        request.grammar = GrammarState(future)
+        request.grammar = GrammarState(future, reasoning_end=tuple(request.sampling_params.structured_outputs.reasoning_end or ()))
 
     def _compile(self, constraint: Constraint):
         started = time.perf_counter()
@@ -117,14 +119,17 @@ class StructuredOutputManager:
             state.error = f"{name}: {exc}" if isinstance(exc, GrammarError) else f"{name}: {type(exc).__name__}: {exc}"
             return True
         state.matcher = state.future.result().matcher(MAX_ROLLBACK_TOKENS)
-        for token in request.output_token_ids:  # a resumed request's earlier tokens
-            state.matcher.accept_token(token)
+        tokens, request.output_token_ids = list(request.output_token_ids), []
+        for token in tokens:  # a resumed request's earlier tokens
+            self.accept(request, token)
+            request.output_token_ids.append(token)
         return True
 
     def bitmask(self, requests: list[Any]) -> tuple[tuple[str, ...], bytes]:
         """(request ids, int32 bitmask rows as bytes) for the sequences that sample this step."""
         import torch
 
+        requests = [r for r in requests if not r.grammar.reasoning_end]
         if not requests:
             return (), b""
         mask = torch.full((len(requests), bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
@@ -133,8 +138,16 @@ class StructuredOutputManager:
         return tuple(r.request_id for r in requests), mask.numpy().tobytes()
 
     def accept(self, request: Any, token: int) -> bool:
-        """Advance the request's matcher; False when the grammar refuses the token."""
-        return request.grammar.matcher.accept_token(token)
+        """Advance the request's matcher (`token` is not yet in its output); False when the
+        grammar refuses the token. Inside a reasoning section only the end is watched for."""
+        state = request.grammar
+        if state.reasoning_end:
+            end = state.reasoning_end
+            tail = [*request.output_token_ids[-(len(end) - 1):], token] if len(end) > 1 else [token]
+            if tuple(tail[-len(end):]) == end:
+                state.reasoning_end = ()  # constrained from the next token on
+            return True
+        return state.matcher.accept_token(token)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -39,6 +39,9 @@ class StructuredOutputsParams:
     grammar_syntax: str = "ebnf"
     #: where the error names the constraint ("response_format", "guided_json", ...)
     field_name: str = "structured_outputs"
+    #: reasoning models: the token ids that end the reasoning section (`</think>`); the
+    #: constraint applies from after them (set by the server from its reasoning parser)
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, list, bool)):
