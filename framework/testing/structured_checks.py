@@ -77,7 +77,9 @@ def check_walk(backend_cls, constraint: Constraint, text: str, refused: str) -> 
     matcher = backend.compile(constraint).matcher(max_rollback_tokens=8)
     ids = tok.encode(text, add_special_tokens=False).ids
     bad = tok.encode(refused, add_special_tokens=False).ids[0]
-    assert bad not in allowed(matcher), f"{backend_cls.name}: {constraint.kind} allows {refused!r} at the start"
+    start = allowed(matcher)
+    assert bad not in start, f"{backend_cls.name}: {constraint.kind} allows {refused!r} at the start"
+    assert not set(STOP_IDS) & start, f"{backend_cls.name}: {constraint.kind} allows a stop token before any output"
     history = []
     for token in ids:
         now = allowed(matcher)

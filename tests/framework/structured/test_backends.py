@@ -44,3 +44,39 @@ def test_a_compile_past_the_time_limit_fails_only_its_request(monkeypatch):
     monkeypatch.setattr(mgr, "COMPILE_TIMEOUT_S", 5.0)
     assert m.poll(request) and "longer than 5s" in request.grammar.error
     m.shutdown()
+
+
+def test_a_compiling_request_holds_up_no_other():
+    """The scheduler keeps a request whose grammar compiles outside the queue: a request
+    behind it runs meanwhile, and it runs once its grammar is ready."""
+    from types import SimpleNamespace
+
+    from portaserve.framework.engine.block_manager import BlockManager
+    from portaserve.framework.engine.params import SamplingParams
+    from portaserve.framework.engine.request import Request
+    from portaserve.framework.engine.scheduler import Scheduler
+    from portaserve.framework.structured.params import StructuredOutputsParams
+
+    class SlowCompiles:
+        ready = False
+
+        def submit(self, request):
+            request.grammar = SimpleNamespace(error=None, reasoning_end=())
+
+        def poll(self, request):
+            return self.ready
+
+        def bitmask(self, requests):
+            return tuple(r.request_id for r in requests), b"\xff" * 4 * len(requests)
+
+    manager = SlowCompiles()
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8,
+                      block_manager=BlockManager(32, 8, enable_caching=False), structured=manager)
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    sched.add_request(Request("slow", [1, 2, 3], sampling_params=constrained, max_tokens=4))
+    sched.add_request(Request("plain", [4, 5, 6], sampling_params=SamplingParams(max_tokens=4), max_tokens=4))
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["plain"] and out.grammar_req_ids == ()
+    manager.ready = True
+    out = sched.schedule()
+    assert "slow" in out.num_scheduled_tokens and out.grammar_req_ids == ("slow",)
