@@ -45,6 +45,9 @@ def _enc_hook(obj: Any) -> Any:
         return str(obj).removeprefix("torch.")
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
+    resolve = getattr(obj, "wire_value", None)  # a value still being computed (a PendingBitmask)
+    if resolve is not None:
+        return resolve()
     dump = getattr(obj, "model_dump", None)  # a pydantic model (EngineConfig)
     if dump is not None:
         return dump(mode="json")

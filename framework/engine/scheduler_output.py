@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from portaserve.framework.multimodal.inputs import MultiModalFeature
 
@@ -60,7 +61,7 @@ class SchedulerOutput:
     # structured outputs: the requests that sample under a grammar this step, and their
     # allowed-token bitmask rows (int32 [len(ids), ceil(vocab / 32)], as bytes)
     grammar_req_ids: tuple[str, ...] = ()
-    grammar_bitmask: bytes = b""
+    grammar_bitmask: Any = b""  # bytes, or a PendingBitmask filled while the model runs
 
     @property
     def is_empty(self) -> bool:

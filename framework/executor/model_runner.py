@@ -370,6 +370,8 @@ class ModelRunner:
     def _mask_logits(self, logits: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
         """Tokens a grammar forbids at -inf, for the rows of requests under one (structured outputs)."""
         ids, data = self._grammar
+        if not isinstance(data, bytes):  # filled on the scheduler's thread while the model ran
+            data = data.result()
         rows = torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(ids), -1)
         position = {rid: i for i, rid in enumerate(ids)}
         mask = torch.full((len(sample_ids), rows.shape[1]), -1, dtype=torch.int32)

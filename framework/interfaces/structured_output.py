@@ -86,6 +86,12 @@ class StructuredOutputBackend(ABC):
             raise GrammarError(f"the {cls.name} backend does not support {constraint.kind!r} constraints; "
                                f"it supports {sorted(cls.supported_kinds)}")
 
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any) -> None:
+        """Row i of `bitmask` for `matchers[i]` (a step's sequences together; a backend may
+        fill them in parallel). Called on a worker thread while the model runs."""
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, row)
+
     @abstractmethod
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         """Compile (possibly slow: the engine calls it on a worker thread, with a time

@@ -55,6 +55,7 @@ class StructuredOutputManager:
         self._backend = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
         self._cache: OrderedDict[Constraint, Future] = OrderedDict()
         self.num_compiled = 0
 
@@ -125,17 +126,22 @@ class StructuredOutputManager:
             request.output_token_ids.append(token)
         return True
 
-    def bitmask(self, requests: list[Any]) -> tuple[tuple[str, ...], bytes]:
-        """(request ids, int32 bitmask rows as bytes) for the sequences that sample this step."""
-        import torch
-
+    def bitmask(self, requests: list[Any]) -> tuple[tuple[str, ...], "PendingBitmask | bytes"]:
+        """(request ids, their int32 bitmask rows) for the sequences that sample this step.
+        The rows are filled on a worker thread while the model runs: the runner waits for
+        them only when it samples (a PendingBitmask; it pickles as the finished bytes)."""
         requests = [r for r in requests if not r.grammar.reasoning_end]
         if not requests:
             return (), b""
-        mask = torch.full((len(requests), bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
-        for row, request in enumerate(requests):
-            request.grammar.matcher.fill_bitmask(mask, row)
-        return tuple(r.request_id for r in requests), mask.numpy().tobytes()
+        matchers = [r.grammar.matcher for r in requests]
+        return tuple(r.request_id for r in requests), PendingBitmask(self._fill_pool.submit(self._fill, matchers))
+
+    def _fill(self, matchers: list[Any]) -> bytes:
+        import torch
+
+        mask = torch.full((len(matchers), bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
+        self.backend().fill_bitmasks(matchers, mask)
+        return mask.numpy().tobytes()
 
     def accept(self, request: Any, token: int) -> bool:
         """Advance the request's matcher (`token` is not yet in its output); False when the
@@ -151,6 +157,26 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PendingBitmask:
+    """A step's bitmask rows being filled; `result()` waits for the bytes. Sent to worker
+    processes it crosses as the finished bytes (no overlap there, the same rows)."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self) -> bytes:
+        return self._future.result()
+
+    #: what crosses to worker processes (framework/wire.py)
+    wire_value = result
+
+    def __reduce__(self):
+        return (bytes, (self.result(),))
 
 
 def vocab_info(spec: Any, tokenizer: Any) -> VocabInfo:

@@ -19,6 +19,8 @@ int ps_paged_decode(const void *q, int64_t q_stride, const void *cache, const in
 int ps_rms_norm(const void *x, int64_t x_stride, const void *residual, void *res_out, void *out, const void *w,
                 int64_t rows, int h, float eps, int dtype, float *workspace, int num_threads);
 int ps_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int d, int dtype, int num_threads);
+int ps_apply_token_bitmask(void *logits, int64_t stride, const int32_t *mask, int64_t words, int64_t rows,
+                           int64_t vocab, int num_threads);
 int ps_rotary(const int64_t *index, const void *q, int64_t q_stride, int64_t q_head_stride, const void *k,
               int64_t k_stride, int64_t k_head_stride, void *q_out, void *k_out, const float *table, int64_t tokens,
               int num_q_heads, int num_k_heads, int head_size, int rotary_dim, int is_neox, int dtype, float *workspace,

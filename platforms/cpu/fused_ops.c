@@ -220,3 +220,25 @@ int ps_rotary(const int64_t *index, const void *q, int64_t q_stride, int64_t q_h
     }
     return 0;
 }
+
+/* Structured outputs' mask: logits[r, t] = -inf where bit t % 32 of mask[r, t / 32] is 0.
+   float32 logits rows `stride` floats apart; mask rows `words` int32 apart. A word with
+   every bit set (an allowed run, or a row without a grammar) is skipped whole. */
+int ps_apply_token_bitmask(void *logits, int64_t stride, const int32_t *mask, int64_t words, int64_t rows,
+                           int64_t vocab, int num_threads) {
+    if (rows < 0 || vocab < 0 || words * 32 < vocab || num_threads <= 0) return -1;
+    const float neg_inf = -__builtin_inff();
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * vocab >= PS_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = (float *)logits + r * stride;
+        const int32_t *m = mask + r * words;
+        for (int64_t w = 0; w * 32 < vocab; w++) {
+            uint32_t bits = (uint32_t)m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, n = vocab - base < 32 ? vocab - base : 32;
+            for (int64_t j = 0; j < n; j++)
+                if (!((bits >> j) & 1u)) row[base + j] = neg_inf;
+        }
+    }
+    return 0;
+}

@@ -58,6 +58,7 @@ _SIGNATURES = {
     "ps_fused_workspace_floats": (_I64, [_I32]),
     "ps_rms_norm": (_I32, [_P, _I64, _P, _P, _P, _P, _I64, _I32, _F32, _I32, _P, _I32]),
     "ps_silu_and_mul": (_I32, [_P, _I64, _P, _I64, _I32, _I32, _I32]),
+    "ps_apply_token_bitmask": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _I32]),
     "ps_gguf_vnni": (_I32, []),
     "ps_gguf_matmul": (_I32, [_P, _I64, _I32, _I64, _I64, _P, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32]),
     "ps_gguf_gemm_available": (_I32, []),

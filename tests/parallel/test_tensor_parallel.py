@@ -143,3 +143,28 @@ def test_tp2_vision_language_models_match_tp1(arch, tmp_path):
             llm.shutdown()
 
     assert run(2) == run(1)
+
+
+def test_tp2_structured_outputs_match_tp1(checkpoint):
+    """The step's grammar bitmask crosses to the worker processes (as bytes) and every rank
+    masks the same logits: TP=2 gives TP=1's constrained greedy output."""
+    from portaserve import SamplingParams
+    from portaserve.framework.structured.params import StructuredOutputsParams
+
+    folder = checkpoint("Qwen2ForCausalLM")
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}}}
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    kw = {**ENGINE_KW, "skip_tokenizer_init": False}
+
+    def run(tp: int):
+        llm = LLM(folder, tensor_parallel_size=tp, **kw)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params,
+                                                                       use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    single = run(1)
+    assert run(2) == single

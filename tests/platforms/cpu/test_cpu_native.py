@@ -265,8 +265,7 @@ def _plan(hf_config, **kw):
     return resolve_plan(EngineConfig.create(device="cpu", **kw), registry, choose_platform(registry, "cpu"), hf_config)
 
 
-# the CPU binds no implementation of apply_token_bitmask: its torch reference runs there
-C_OPS = (("apply_token_bitmask", "reference"), ("fused_add_rms_norm", "cpu_c"), ("rms_norm", "cpu_c"),
+C_OPS = (("apply_token_bitmask", "cpu_c"), ("fused_add_rms_norm", "cpu_c"), ("rms_norm", "cpu_c"),
          ("rotary_embedding", "cpu_c"), ("silu_and_mul", "cpu_c"))
 REFERENCES = tuple((op, "reference") for op, _impl in C_OPS)
 
