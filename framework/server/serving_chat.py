@@ -107,8 +107,11 @@ class _ChoiceParser:
         self.include_reasoning = req.include_reasoning
         if state.reasoning_parser_cls is not None:
             self.reasoning = state.reasoning_parser_cls(tokenizer, prompt=plan.prompt_text)
-        # a forced choice ("required", a named function) was constrained to JSON calls: parsed here
-        self.constrained = plan.tool_choice if (plan.tool_choice == "required" or plan.forced_tool) else None
+        # a forced choice ("required", a named function) was constrained to calls: in the tool
+        # parser's format (read by the parser), or to vLLM's JSON without one (parsed here)
+        forced = plan.tool_choice == "required" or plan.forced_tool is not None
+        parser_format = getattr(state.tool_parser_cls, "call_format", None)
+        self.constrained = plan.tool_choice if forced and parser_format is None else None
         if state.tool_parser_cls is not None and req.tools and plan.tool_choice != "none" and self.constrained is None:
             self.tools = state.tool_parser_cls(tokenizer, tools=[t.model_dump(exclude_none=True) for t in req.tools])
         self.forced_tool = plan.forced_tool
@@ -228,8 +231,9 @@ class ChatService:
             if kwargs.get("structured_outputs") is not None:
                 raise invalid("tool_choice", f"a forced tool call cannot be combined with "
                                              f"{kwargs['structured_outputs'].field_name}")
+            parser_format = getattr(state.tool_parser_cls, "call_format", None)
             kwargs["structured_outputs"] = tool_constraint(req.tools, tool_choice, req.parallel_tool_calls is not False,
-                                                           req.disable_any_whitespace)
+                                                           req.disable_any_whitespace, parser_format)
         so = kwargs.get("structured_outputs")
         parser = state.reasoning_parser_cls
         if so is not None and parser is not None and not prompt_text.rstrip().endswith(parser.end_token):

@@ -1,13 +1,16 @@
-"""Forced tool calls, enforced while sampling (structured outputs), the way vLLM does it.
+"""Forced tool calls, enforced while sampling (structured outputs).
 
-- `tool_choice: "required"`: the output is a JSON list of calls, each
-  `{"name": <one of the tools>, "parameters": <that tool's parameters schema>}` (one
-  call when `parallel_tool_calls` is false);
-- a named function: the output is that function's arguments, an object following its
-  parameters schema.
+With a `--tool-call-parser` that declares its `call_format` (hermes, llama3_json), the
+output is constrained to calls in that format: for `"required"` 1 to MAX_PARALLEL_CALLS
+calls of any tool (one without `parallel_tool_calls`), for a named function one call of
+it, each `{"name": ..., <arguments key>: <the tool's parameters schema>}`; the parser
+reads them back as usual. Without one, vLLM's JSON:
 
-Either way the model cannot produce anything that does not parse into valid calls, so
-no tool-call parser is needed; the server turns the JSON into `tool_calls`.
+- `tool_choice: "required"`: a JSON list of calls, each
+  `{"name": <one of the tools>, "parameters": <that tool's parameters schema>}`;
+- a named function: that function's arguments, an object following its parameters schema.
+
+Either way the model cannot produce anything that does not parse into valid calls.
 """
 
 from __future__ import annotations
@@ -34,8 +37,23 @@ def required_calls_schema(tools: list[Any], parallel: bool) -> dict:
     return schema
 
 
-def tool_constraint(tools: list[Any], choice: Any, parallel: bool, compact: bool = False) -> StructuredOutputsParams:
-    """The constraint of a forced tool choice ("required" or a named function)."""
+#: most calls a forced "required" choice may write (with parallel_tool_calls)
+MAX_PARALLEL_CALLS = 4
+
+
+def tool_constraint(tools: list[Any], choice: Any, parallel: bool, compact: bool = False,
+                    call_format: dict | None = None) -> StructuredOutputsParams:
+    """The constraint of a forced tool choice ("required" or a named function): calls in
+    the tool parser's format where it declares one (`ToolParser.call_format`), which the
+    parser then reads back; else vLLM's JSON (parsed by `calls_from_output`)."""
+    if call_format is not None:
+        key = call_format["arguments_key"]
+        chosen = tools if choice == "required" else [t for t in tools if t.function.name == choice.function.name]
+        schemas = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                    "properties": {"name": {"const": t.function.name}, key: _parameters(t)}} for t in chosen]
+        spec = {"prefix": call_format["prefix"], "suffix": call_format["suffix"], "separator": call_format["separator"],
+                "schemas": schemas, "max_calls": MAX_PARALLEL_CALLS if choice == "required" and parallel else 1}
+        return StructuredOutputsParams(tool_calls=spec, disable_any_whitespace=compact, field_name="tool_choice")
     if choice == "required":
         schema = required_calls_schema(tools, parallel)
     else:

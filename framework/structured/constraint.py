@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: the kinds of constraint a request may carry (StructuredOutputsParams' fields)
-CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "tool_calls")
 
 
 class GrammarError(ValueError):
@@ -32,7 +32,10 @@ class VocabInfo:
 @dataclass(frozen=True)
 class Constraint:
     """One request's constraint: `kind` (one of CONSTRAINT_KINDS) and its text (a JSON
-    schema as JSON, a regex, a grammar, choices as a JSON list)."""
+    schema as JSON, a regex, a grammar, choices as a JSON list). "tool_calls": JSON of
+    {"prefix", "suffix", "separator", "schemas", "max_calls"}: 1 to max_calls calls, each
+    prefix + a JSON value of one of the schemas + suffix, joined by the separator (a tool
+    parser's format, e.g. hermes' "<tool_call>\n" ... "\n</tool_call>")."""
 
     kind: str
     spec: str

@@ -51,7 +51,7 @@ class LlguidanceCompiled(CompiledGrammar):
 
 class LlguidanceBackend(StructuredOutputBackend):
     name = "llguidance"
-    supported_kinds = frozenset({"json", "json_object", "regex", "choice", "grammar"})
+    supported_kinds = frozenset({"json", "json_object", "regex", "choice", "grammar", "tool_calls"})
     requires = ("llguidance",)
 
     def __init__(self, vocab: VocabInfo) -> None:
@@ -60,6 +60,9 @@ class LlguidanceBackend(StructuredOutputBackend):
 
         eos = vocab.stop_token_ids[0] if vocab.stop_token_ids else None
         self._tokenizer = llguidance.LLTokenizer(vocab.tokenizer_json, n_vocab=vocab.vocab_size, eos_token=eos)
+        # added tokens (<tool_call>, ...) are special to llguidance: literals name them by id
+        added = json.loads(vocab.tokenizer_json).get("added_tokens") or []
+        self._added = {t["content"]: int(t["id"]) for t in added if t.get("content") and int(t["id"]) < vocab.vocab_size}
 
     @classmethod
     def validate(cls, constraint: Constraint) -> None:
@@ -85,7 +88,7 @@ class LlguidanceBackend(StructuredOutputBackend):
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         import llguidance
 
-        grammar = _grammar(constraint)
+        grammar = _grammar(constraint, self._added)
         ok, message = _check(llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer))
         if not ok:
             raise GrammarError(message)
@@ -97,7 +100,7 @@ def _check(result: Any) -> tuple[bool, str]:
     return (not message, message[:500])
 
 
-def _grammar(c: Constraint) -> str:
+def _grammar(c: Constraint, added: dict[str, int] | None = None) -> str:
     import llguidance
 
     try:
@@ -114,6 +117,43 @@ def _grammar(c: Constraint) -> str:
             return llguidance.grammar_from("choice", json.dumps(json.loads(c.spec)))
         if c.kind == "grammar":
             return llguidance.grammar_from("lark" if c.grammar_syntax == "lark" else "gbnf", c.spec)
+        if c.kind == "tool_calls":
+            return llguidance.grammar_from("lark", _tool_calls_lark(json.loads(c.spec), c.compact_json, added or {}))
     except ValueError as exc:
         raise GrammarError(str(exc)[:500]) from None
     raise GrammarError(f"the llguidance backend does not support {c.kind!r} constraints")
+
+
+def _literal(text: str, added: dict[str, int]) -> str:
+    """`text` as Lark: JSON-quoted strings, and `<[id]>` for the added tokens in it."""
+    parts, plain, i = [], "", 0
+    names = sorted(added, key=len, reverse=True)
+    while i < len(text):
+        name = next((n for n in names if text.startswith(n, i)), None)
+        if name is None:
+            plain += text[i]
+            i += 1
+            continue
+        if plain:
+            parts.append(json.dumps(plain))
+            plain = ""
+        parts.append(f"<[{added[name]}]>")
+        i += len(name)
+    if plain:
+        parts.append(json.dumps(plain))
+    return " ".join(parts)
+
+
+def _tool_calls_lark(spec: dict, compact: bool, added: dict[str, int]) -> str:
+    """1 to max_calls calls in a tool parser's format, as Lark with llguidance's %json."""
+    options = ', "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "' if compact else ""
+    rules = []
+    for i, schema in enumerate(spec["schemas"]):
+        body = json.dumps({**schema, "x-guidance": json.loads("{" + options.lstrip(", ") + "}")} if compact else schema)
+        rules.append(f"call{i}: %json {body}")
+    one = " | ".join(f"call{i}" for i in range(len(spec["schemas"])))
+    prefix, suffix, sep = (_literal(spec[k], added) for k in ("prefix", "suffix", "separator"))
+    item = f"{prefix} ({one}) {suffix}".strip()
+    more = int(spec["max_calls"]) - 1
+    tail = f" ({sep} {item}){{0,{more}}}" if more else ""
+    return "\n".join([f"start: {item}{tail}", *rules])

@@ -34,6 +34,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
+    #: forced tool calls in a tool parser's format (set by the server; see constraint.py)
+    tool_calls: dict | None = None
     #: no optional whitespace in JSON (vLLM's flag of the same name)
     disable_any_whitespace: bool = False
     grammar_syntax: str = "ebnf"
@@ -52,7 +54,8 @@ class StructuredOutputsParams:
         name = self.field_name
         given = {k: v for k, v in (("json", self.json), ("json_object", self.json_object or None),
                                    ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar),
-                                   ("structural_tag", self.structural_tag)) if v is not None}
+                                   ("structural_tag", self.structural_tag), ("tool_calls", self.tool_calls))
+                 if v is not None}
         if len(given) != 1:
             raise invalid(name, f"needs exactly one of json, json_object, regex, choice, grammar, structural_tag; "
                                 f"got {sorted(given) or 'none'}")
@@ -67,6 +70,10 @@ class StructuredOutputsParams:
             spec = _json.dumps(value)
         elif kind == "json_object":
             spec = ""
+        elif kind == "tool_calls":
+            for schema in value.get("schemas", ()):
+                _check_schema(schema, name)
+            spec = _json.dumps(value, sort_keys=True)
         else:
             if not isinstance(value, str):
                 raise invalid(name, f"{kind} must be a string, got {type(value).__name__}")

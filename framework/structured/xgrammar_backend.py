@@ -46,7 +46,7 @@ class XgrammarCompiled(CompiledGrammar):
 
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
-    supported_kinds = frozenset({"json", "json_object", "regex", "choice", "grammar", "structural_tag"})
+    supported_kinds = frozenset({"json", "json_object", "regex", "choice", "grammar", "structural_tag", "tool_calls"})
     requires = ("xgrammar",)
 
     def __init__(self, vocab: VocabInfo) -> None:
@@ -103,6 +103,23 @@ def _grammar(xgr: Any, c: Constraint) -> Any:
         return xgr.Grammar.from_ebnf(c.spec)
     if c.kind == "structural_tag":
         return xgr.Grammar.from_structural_tag(c.spec)
+    if c.kind == "tool_calls":
+        spec = json.loads(c.spec)
+
+        def literal(text: str):
+            return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") if text else None
+
+        def joined(*parts):
+            parts = [p for p in parts if p is not None]
+            return parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
+
+        calls = [xgr.Grammar.from_json_schema(json.dumps(s), any_whitespace=not c.compact_json) for s in spec["schemas"]]
+        one = joined(literal(spec["prefix"]), calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls),
+                     literal(spec["suffix"]))
+        sep = literal(spec["separator"])
+        # 1 to max_calls calls: a union of the fixed-length sequences (max_calls is small)
+        options = [joined(*([one] + [g for _ in range(k) for g in (sep, one)])) for k in range(int(spec["max_calls"]))]
+        return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
     raise GrammarError(f"unknown constraint kind {c.kind!r}")
 
 

@@ -38,6 +38,17 @@ CASES = (
     (Constraint("regex", r"[a-z]{3}-\d{2}"), "abc-42", "7"),
     (Constraint("choice", json.dumps(["yes", "no", "maybe"])), "maybe", "x"),
     (Constraint("grammar", 'root ::= item ("," item)*\nitem ::= [0-9]+ | "(" root ")"'), "1,(2,3),45", "a"),
+    # two calls in hermes' format (forced tool calls)
+    (Constraint("tool_calls", json.dumps({
+        "prefix": "<tool_call>\n", "suffix": "\n</tool_call>", "separator": "\n", "max_calls": 2,
+        "schemas": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                     "properties": {"name": {"const": n}, "arguments": a}}
+                    for n, a in (("add", {"type": "object", "additionalProperties": False, "required": ["x"],
+                                          "properties": {"x": {"type": "integer"}}}),
+                                 ("now", {"type": "object", "additionalProperties": False, "properties": {}}))]}),
+        compact_json=True),
+     '<tool_call>\n{"name": "add", "arguments": {"x": 12}}\n</tool_call>\n<tool_call>\n{"name": "now", '
+     '"arguments": {}}\n</tool_call>', "{"),
 )
 INVALID = (
     Constraint("json", '{"type": "nonsense"}'),
@@ -88,7 +99,7 @@ def check_walk(backend_cls, constraint: Constraint, text: str, refused: str) -> 
         assert matcher.accept_token(token)
     end = allowed(matcher)
     assert set(STOP_IDS) & end, f"{backend_cls.name}: {constraint.kind}: no stop token allowed after {text!r}"
-    if constraint.kind in ("regex", "choice", "json", "json_object"):  # these outputs cannot continue
+    if constraint.kind in ("regex", "choice", "json", "json_object", "tool_calls"):  # these cannot continue
         assert end <= set(STOP_IDS), f"{backend_cls.name}: {constraint.kind}: {sorted(end - set(STOP_IDS))[:5]} after {text!r}"
     back = min(2, len(ids))
     matcher.rollback(back)

@@ -63,6 +63,11 @@ class ToolParser(ABC):
     #: The name given to ``--tool-call-parser``.
     name: ClassVar[str] = ""
 
+    #: how calls are written, for forcing them while sampling (tool_choice "required" or a
+    #: named function): {"prefix", "suffix", "separator", "arguments_key"}; None: the server
+    #: falls back to vLLM's JSON list of {"name", "parameters"}
+    call_format: ClassVar[dict | None] = None
+
     def __init__(self, tokenizer: Any | None = None, *, tools: Sequence[Any] | None = None) -> None:
         """:param tokenizer: the model's tokenizer. :param tools: the request's tools."""
         self.tokenizer = tokenizer

@@ -43,6 +43,7 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
+    call_format = {"prefix": "<tool_call>\n", "suffix": "\n</tool_call>", "separator": "\n", "arguments_key": "arguments"}
 
     def __init__(self, tokenizer=None, *, tools=None) -> None:
         super().__init__(tokenizer, tools=tools)
@@ -143,6 +144,7 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
     python_tag = "<|python_tag|>"
+    call_format = {"prefix": "", "suffix": "", "separator": "; ", "arguments_key": "parameters"}
 
     def __init__(self, tokenizer=None, *, tools=None) -> None:
         super().__init__(tokenizer, tools=tools)

@@ -1,6 +1,7 @@
-"""Forced tool calls enforced while sampling, and constraints that start after a reasoning
-section, on a random-weight model (temperature 1.0): whatever the model would say, the
-calls parse and their arguments follow the tool's parameter schema (checked with jsonschema)."""
+"""Forced tool calls enforced while sampling, on a random-weight model (temperature 1.0):
+whatever the model would say, the calls parse and their arguments follow the tool's
+parameter schema (checked with jsonschema), in the hermes parser's format and in vLLM's
+JSON list when no parser is set."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "Weather in Paris, and the time there?"}]
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
+@pytest.fixture(scope="module", params=["hermes", None], ids=["hermes-format", "json-list-without-parser"])
+def client(request, tmp_path_factory):
     import sys
     from pathlib import Path
 
@@ -36,7 +37,9 @@ def client(tmp_path_factory):
 
     folder = write_checkpoint("Qwen2ForCausalLM", "tiny", tmp_path_factory.mktemp("qwen2"), 2)
     config = EngineConfig.create(model=str(folder), served_model_name="m", dtype="float32")
-    with ServerThread(config, ServerSettings(tool_call_parser="hermes")) as srv:
+    # with a parser the calls are constrained to its format and read back by it; without
+    # one, to vLLM's JSON list
+    with ServerThread(config, ServerSettings(tool_call_parser=request.param)) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
