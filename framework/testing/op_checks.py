@@ -3,7 +3,8 @@
 Each `OpSpec` (framework/interfaces/ops.py) brings its reference and sample inputs;
 `compare_op` runs both on every sample (each on its own copies when the op may write its
 arguments) and compares every output: same structure, shapes and dtypes, and a relative
-error ‖impl − ref‖ / ‖ref‖ within `spec.tolerance(dtype)` per output tensor.
+error ‖impl − ref‖ / ‖ref‖ within `spec.tolerance(dtype)` per output tensor (infinities
+must match the reference's exactly, position and sign).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def compare_outputs(name: str, got: Any, want: Any, tolerance: float) -> list[st
         elif tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
             problems.append(f"{where}: {tuple(g.shape)} {g.dtype}, the reference gives {tuple(w.shape)} {w.dtype}")
         elif w.numel():
+            # infinities (a mask's -inf) must sit where the reference's do; the rest compares by error
+            inf_g, inf_w = torch.isinf(g), torch.isinf(w)
+            if inf_w.any() or inf_g.any():
+                if not torch.equal(inf_g, inf_w) or not torch.equal(g[inf_g], w[inf_w]):
+                    problems.append(f"{where}: infinities differ from the reference's "
+                                    f"({int(inf_g.sum())} vs {int(inf_w.sum())})")
+                    continue
+                g, w = g[~inf_w], w[~inf_w]
+                if not w.numel():
+                    continue
             err = relative_error(g, w)
             if not err <= tolerance:
                 problems.append(f"{where}: relative error {err:.3g} > {tolerance:g}" + (" (NaN/inf)" if math.isinf(err) else ""))
