@@ -171,7 +171,7 @@ def test_import_needs_no_triton():
         "import sys; sys.modules['triton'] = None\n"
         "from portaserve.kernels.triton_backend import TritonAttentionBackend\n"
         "from portaserve.kernels.ops import triton_ops\n"
-        "assert TritonAttentionBackend.supported_block_sizes and len(triton_ops(frozenset({'cuda'}))) == 4\n"
+        "assert TritonAttentionBackend.supported_block_sizes and len(triton_ops(frozenset({'cuda'}))) == 5\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
