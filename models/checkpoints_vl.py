@@ -139,15 +139,12 @@ def _image_processor_config(vision_tower: str, side: int) -> dict[str, Any]:
     }
 
 
-_STD = {"matrix": INIT_STD, "bias": INIT_STD, "norm": INIT_STD, "mlp_out": MLP_OUT_STD, "vision": 0.2}
-
-
-def write_llava(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, *, dtype: str | None = None,
-                vision_tower: str = "clip", **_: Any) -> Path:
-    """A random-weight LLaVA checkpoint (a CLIP or SigLIP tower, a Qwen2 language model) in `out_dir`."""
+def _write_folder(out_dir, config: dict, layout, files: dict, seed: int, dtype: str | None) -> Path:
+    """config.json, generation_config.json, `files`, random weights of `layout(config)` (drawn
+    in name order: the same seed gives the same weights) and the Qwen2 tokenizer with the
+    vision chat template."""
     from portaserve.models.tokenizer_files import write_qwen2_tokenizer
 
-    config = llava_config(size, vision_tower)
     if dtype is not None:
         if dtype not in _DTYPES:
             raise invalid("dtype", f"{dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -156,17 +153,29 @@ def write_llava(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, *
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, (shape, kind) in _llava_tensors(config).items():
+    for name, (shape, kind) in layout(config).items():
         values = torch.randn(shape, generator=gen) * _STD[kind]
         if kind == "norm":
             values += 1.0
         tensors[name] = values.to(_DTYPES[config["torch_dtype"]])
     save_safetensors(tensors, out)
+    generation = {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID]}
+    for name, obj in {"config.json": config, "generation_config.json": generation, **files}.items():
+        (out / name).write_text(json.dumps(obj, indent=2) + "\n")
+    write_qwen2_tokenizer(out, template="chatml_vision")
+    return out
+
+
+_STD = {"matrix": INIT_STD, "bias": INIT_STD, "norm": INIT_STD, "mlp_out": MLP_OUT_STD, "vision": 0.2}
+
+
+def write_llava(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, *, dtype: str | None = None,
+                vision_tower: str = "clip", **_: Any) -> Path:
+    """A random-weight LLaVA checkpoint (a CLIP or SigLIP tower, a Qwen2 language model) in `out_dir`."""
+    config = llava_config(size, vision_tower)
     vision = config["vision_config"]
     side = vision["image_size"]
     files = {
-        "config.json": config,
-        "generation_config.json": {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID]},
         "preprocessor_config.json": _image_processor_config(vision_tower, side),
         "processor_config.json": {
             "processor_class": "LlavaProcessor", "patch_size": vision["patch_size"],
@@ -174,10 +183,7 @@ def write_llava(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, *
             "num_additional_image_tokens": 1 if vision_tower == "clip" else 0, "image_token": "<|image_pad|>",
         },
     }
-    for name, obj in files.items():
-        (out / name).write_text(json.dumps(obj, indent=2) + "\n")
-    write_qwen2_tokenizer(out, template="chatml_vision")
-    return out
+    return _write_folder(out_dir, config, _llava_tensors, files, seed, dtype)
 
 
 # ----- Qwen2-VL / Qwen2.5-VL --------------------------------------------------------------
@@ -259,27 +265,9 @@ def write_qwen_vl(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0,
                   variant: str = "qwen2_vl", **_: Any) -> Path:
     """A random-weight Qwen2-VL (or, `variant="qwen2_5_vl"`, Qwen2.5-VL) checkpoint in the
     hub's layout (`model.layers.*`, `visual.*`, `lm_head.*`) with its image processor's config."""
-    from portaserve.models.tokenizer_files import write_qwen2_tokenizer
-
     config = qwen_vl_config(size, variant)
-    if dtype is not None:
-        if dtype not in _DTYPES:
-            raise invalid("dtype", f"{dtype!r} is not one of {', '.join(_DTYPES)}")
-        config["torch_dtype"] = dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, (shape, kind) in _qwen_vl_tensors(config).items():
-        values = torch.randn(shape, generator=gen) * _STD[kind]
-        if kind == "norm":
-            values += 1.0
-        tensors[name] = values.to(_DTYPES[config["torch_dtype"]])
-    save_safetensors(tensors, out)
     min_pixels, max_pixels = 56 * 56, 28 * 28 * 32
     files = {
-        "config.json": config,
-        "generation_config.json": {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID]},
         "preprocessor_config.json": {
             "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"
             if variant == "qwen2_5_vl" else "Qwen2VLProcessor",
@@ -290,10 +278,7 @@ def write_qwen_vl(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0,
             "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
         },
     }
-    for name, obj in files.items():
-        (out / name).write_text(json.dumps(obj, indent=2) + "\n")
-    write_qwen2_tokenizer(out, template="chatml_vision")
-    return out
+    return _write_folder(out_dir, config, _qwen_vl_tensors, files, seed, dtype)
 
 
 def write_qwen2_vl(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, **kwargs: Any) -> Path:

@@ -42,7 +42,7 @@ def vision_attention_spec(vision_config: Mapping[str, Any], dtype: torch.dtype, 
                          kv_cache_dtype=kv_cache_dtype, causal=False)
 
 
-def encoder_step(backend, lengths: list[int], device: torch.device) -> StepContext:
+def encoder_step(backend, lengths: list[int]) -> StepContext:
     """A StepContext in which each of `lengths` is one bidirectional sequence (no KV cache)."""
     qsl = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
@@ -151,7 +151,7 @@ class VisionEncoder(nn.Module):
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
         num_images, tokens, hidden = x.shape
-        step = encoder_step(self.backend, [tokens] * num_images, x.device)
+        step = encoder_step(self.backend, [tokens] * num_images)
         flat = x.reshape(num_images * tokens, hidden)
         kept = {0: flat} if 0 in keep else {}
         for i, layer in enumerate(self.layers, start=1):

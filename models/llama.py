@@ -177,6 +177,15 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         return self.decode(self.embed_tokens(input_ids), positions, step)
 
+    def embed(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Token embeddings, with the step's image embeddings (`step.mm_embeds`) in their rows."""
+        hidden = self.embed_tokens(input_ids)
+        mm = getattr(step, "mm_embeds", None)
+        if mm is not None:
+            rows, values = mm
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        return hidden
+
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor, step: StepContext, rope=None) -> torch.Tensor:
         """The layers and the final norm over input embeddings [num_tokens, hidden]
         (vision-language models replace some rows before this, and may bring their own

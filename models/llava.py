@@ -34,7 +34,6 @@ from .layers.loading import LLAMA_STACKED, load_checkpoint
 from .llama import LlamaForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 
-VISION_STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"))
 _LANGUAGE_MODELS = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": LlamaForCausalLM}
 
 
@@ -150,18 +149,13 @@ class LlavaForConditionalGeneration(ModelArchitecture):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         decoder = self.language_model.model
-        hidden = decoder.embed_tokens(input_ids)
-        mm = getattr(step, "mm_embeds", None)
-        if mm is not None:
-            rows, values = mm
-            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
-        return decoder.decode(hidden, positions, step)
+        return decoder.decode(decoder.embed(input_ids, step), positions, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint(self, weights, (*LLAMA_STACKED,), self._checkpoint_name)
+        return load_checkpoint(self, weights, LLAMA_STACKED, self._checkpoint_name)
 
     def _checkpoint_name(self, name: str) -> str | None:
         if name.startswith("model."):  # transformers 5's in-memory layout

@@ -197,13 +197,13 @@ class VisionTransformer(nn.Module):
         weight = self.patch_embed.weight
         x = patches.to(weight.dtype) @ weight.reshape(self.dim, -1).t()
         cos, sin = self.rotary(vision_positions(grids, self.merge).to(x.device))
-        full = encoder_step(self.backend, [t * h * w for t, h, w in grids], x.device)
+        full = encoder_step(self.backend, [t * h * w for t, h, w in grids])
         windowed = None
         unit = self.merge * self.merge
         if self.qwen25:
             order, lengths = window_order(grids, self.merge, self.window, self.patch)
             order = order.to(x.device)
-            windowed = encoder_step(self.backend, lengths, x.device)
+            windowed = encoder_step(self.backend, lengths)
 
             def by_window(t):
                 return t.reshape(-1, unit, t.shape[-1])[order].reshape(-1, t.shape[-1])
@@ -295,11 +295,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         return rope_positions_for(num_prompt_tokens, features, self.visual.merge)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        mm = getattr(step, "mm_embeds", None)
-        if mm is not None:
-            rows, values = mm
-            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        hidden = self.model.embed(input_ids, step)
         rope = self.model.rotary_emb.prepare_mrope(positions, self.mrope_section) if positions.dim() == 2 else None
         return self.model.decode(hidden, positions, step, rope)
 

@@ -64,7 +64,3 @@ def feature_hash(key: str, pixels: "np.ndarray", grid_thw: Sequence[int] = ()) -
     h.update(np.ascontiguousarray(pixels, dtype=np.float32).tobytes())
     return h.hexdigest()
 
-
-def features_in(features: Sequence[MultiModalFeature], start: int, end: int) -> list[int]:
-    """Indices of the features with a placeholder in token range [start, end)."""
-    return [i for i, f in enumerate(features) if f.overlaps(start, end)]

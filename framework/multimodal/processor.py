@@ -12,7 +12,7 @@ its images into the engine's prompt, each placeholder repeated that many times, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from portaserve.framework.errors import InvalidParameterError
 
@@ -30,9 +30,6 @@ class ImagePromptProcessor:
     num_tokens: Callable[[ProcessedImage], int]
     #: identifies the model's processing in feature hashes
     key: str
-    #: tokens a chat template emits around the placeholder are the template's business;
-    #: this is the placeholder's text, for templates that render it from a content part
-    placeholder_text: str | None = field(default=None)
 
     def expand(self, token_ids: Sequence[int], images: Sequence, *, param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalFeature]]:
         """(expanded token ids, one feature per image). The prompt must hold exactly one
