@@ -75,7 +75,8 @@ class LlguidanceBackend(StructuredOutputBackend):
             raise GrammarError(message)
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any) -> None:
-        """In parallel, on llguidance's own threads (a row inside a JSON string costs ~5 ms)."""
+        """In parallel, on llguidance's own threads (a row inside a JSON string costs over a
+        millisecond: `python benchmarks/grammar_ops.py`)."""
         import llguidance
         from llguidance.torch import fill_next_token_bitmask_par
 
