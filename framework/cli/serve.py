@@ -95,6 +95,12 @@ FLAGS: tuple[Flag, ...] = (
          metavar="DOMAIN"),
     Flag("allowed_local_media_path", "a folder whose files requests may name as file:// image URLs (default none)",
          _SERVER),
+    Flag("response_store", "a SQLite file keeping /v1/responses' stored responses across restarts (default: in "
+         "memory)", _SERVER, metavar="PATH"),
+    Flag("max_stored_responses", "most stored /v1/responses responses; the oldest go first", _SERVER, type=int,
+         default=1024),
+    Flag("max_stored_response_bytes", "most bytes of stored /v1/responses responses; the oldest go first", _SERVER,
+         type=int, default=256 * 2**20),
     # ----- the engine (EngineConfig fields)
     Flag("device", "'auto' (the best available platform; PORTASERVE_DEVICE when set) or a platform name: "
          "cpu, cuda, rocm, xpu, tpu, or a plugin's"),
@@ -281,6 +287,9 @@ def server_settings(args: argparse.Namespace) -> "Any":
         weight_update_allowed_addresses=tuple(args.weight_update_allowed_addresses or ()),
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allowed_local_media_path=args.allowed_local_media_path,
+        response_store=args.response_store,
+        max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
         limits=RequestLimits(**{flag.dest: getattr(args, flag.dest) for flag in _limit_flags()}),
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -23,7 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from portaserve import __version__
-from portaserve.framework.server.errors import error_body, install_exception_handlers
+from portaserve.framework.server.errors import APIError, error_body, error_body_for, install_exception_handlers
 from portaserve.framework.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +37,12 @@ from portaserve.framework.server.protocol import (
 )
 from portaserve.framework.server.serving_chat import ChatService
 from portaserve.framework.server.serving_completion import CompletionService
+from portaserve.framework.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from portaserve.framework.server.serving_embedding import EmbeddingService
+from portaserve.framework.server.serving_messages import MessagesService
+from portaserve.framework.server.response_store import make_store
+from portaserve.framework.server.responses_protocol import ResponsesRequest
+from portaserve.framework.server.serving_responses import ResponsesService
 from portaserve.framework.server.serving_tokens import TokenService
 from portaserve.framework.server.state import ServerSettings, ServerState
 from portaserve.framework.server import weights_routes
@@ -61,42 +67,50 @@ class GatewayMiddleware:
         self.state = state
         self.keys = [k.encode() for k in state.settings.api_keys]
 
-    async def _reply(self, send, status: int, message: str, headers: list | None = None) -> None:
+    async def _reply(self, scope, send, status: int, message: str, headers: list | None = None) -> None:
         import json
 
-        body = json.dumps(error_body(status, message)).encode()
+        body = json.dumps(error_body_for(scope["path"], status, message)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + (headers or [])})
         await send({"type": "http.response.body", "body": body})
 
-    def _authorized(self, scope) -> bool:
+    def _caller(self, scope) -> str | None:
+        """Who is calling: "" without keys (or on a public route), the key's fingerprint
+        with a valid key (`Authorization: Bearer` or Anthropic's `x-api-key`), None otherwise."""
         if not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
-            return True
+            return ""
         headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
-        return any(hmac.compare_digest(token, key) for key in self.keys)
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        candidates = [token.strip()] if scheme.lower() == b"bearer" else []
+        if b"x-api-key" in headers:
+            candidates.append(headers[b"x-api-key"].strip())
+        for token in candidates:
+            for key in self.keys:
+                if hmac.compare_digest(token, key):
+                    return hashlib.sha256(key).hexdigest()[:16]
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if not self._authorized(scope):
-            await self._reply(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              [(b"www-authenticate", b"Bearer")])
+        caller = self._caller(scope)
+        if caller is None:
+            await self._reply(scope, send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                              "or 'x-api-key: <key>'", [(b"www-authenticate", b"Bearer")])
             return
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        # stored responses belong to the key that created them
+        scope["state"]["caller"] = caller
         if scope["method"] in _BODY_METHODS:
             limit = self.state.settings.max_request_body_bytes
             declared = headers.get(b"content-length")
             too_big = f"the request body is larger than the server's limit of {limit} bytes (--max-request-body-bytes)"
             if declared is not None and declared.isdigit() and int(declared) > limit:
-                await self._reply(send, 413, too_big)
+                await self._reply(scope, send, 413, too_big)
                 return
             chunks, size = [], 0
             while True:
@@ -106,7 +120,7 @@ class GatewayMiddleware:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    await self._reply(send, 413, too_big)
+                    await self._reply(scope, send, 413, too_big)
                     return
                 chunks.append(chunk)
                 if not message.get("more_body", False):
@@ -168,12 +182,16 @@ def create_app(
             if engine_factory is not None and state.engine is not None:
                 with contextlib.suppress(Exception):
                     await state.engine.shutdown()
+            store.close()
 
     app = FastAPI(title="portaserve", version=__version__, lifespan=lifespan)
     app.state.portaserve = state
     install_exception_handlers(app)
     chat, completion = ChatService(state), CompletionService(state)
     embedding, tokens = EmbeddingService(state), TokenService(state)
+    messages = MessagesService(state, chat)
+    store = make_store(settings.response_store, settings.max_stored_responses, settings.max_stored_response_bytes)
+    responses = ResponsesService(state, chat, store)
 
     @app.get("/health")
     async def health() -> Response:
@@ -186,15 +204,18 @@ def create_app(
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
-    async def models():
+    def model_cards() -> list[ModelCard]:
         spec = state.spec
         demo = spec is not None and spec.is_demo
         engine = state.engine
         takes_images = engine is not None and getattr(engine.processor, "mm_processor", None) is not None
-        cards = [
+        created = int(time.time())
+        return [
             ModelCard(
                 id=name,
+                display_name=name,
+                created=created,
+                created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                 root=spec.model_path if spec is not None else None,
                 max_model_len=spec.max_model_len if spec is not None else None,
                 weights_version=state.engine.weights_version if state.engine is not None else 0,
@@ -204,7 +225,20 @@ def create_app(
             )
             for name in state.model_names
         ]
-        return ModelList(data=cards).model_dump(mode="json")
+
+    @app.get("/v1/models")
+    async def models():
+        cards = model_cards()
+        return ModelList(data=cards, first_id=cards[0].id if cards else None,
+                         last_id=cards[-1].id if cards else None).model_dump(mode="json")
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        for card in model_cards():
+            if card.id == model_id:
+                return card.model_dump(mode="json")
+        raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in state.model_names)}", "model")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -223,6 +257,34 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request):
         return await completion.create(request, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request):
+        return await responses.create(request, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw: Request):
+        return await responses.retrieve(response_id, raw)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw: Request):
+        return await responses.input_items(response_id, raw)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request):
+        return await responses.delete(response_id, raw)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, raw: Request):
+        return await responses.cancel(response_id, raw)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: MessagesRequest, raw: Request):
+        return await messages.create(request, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: CountTokensRequest, raw: Request):
+        return await messages.count_tokens(request, raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest, raw: Request):

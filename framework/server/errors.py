@@ -6,6 +6,10 @@
   413 `RequestEntityTooLargeError`, 503 `ServiceUnavailableError` (still loading),
   500 `InternalServerError` (a dead engine, a bug).
 
+The Anthropic Messages routes (`/v1/messages...`) answer in Anthropic's shape instead,
+`{"type": "error", "error": {"type": "invalid_request_error", "message"}}`, every error
+included (401 and 413 from the gateway too): `error_body_for(path, ...)` picks the shape.
+
 No traceback ever reaches a client: unexpected exceptions are logged here and answered
 with their type and first line only.
 """
@@ -55,10 +59,38 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+#: Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+#: the routes that answer errors in Anthropic's shape
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The error body in the shape of the API `path` belongs to."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param)
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None,
+                   path: str = "") -> JSONResponse:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONResponse(error_body_for(path, status, message, param), status_code=status, headers=headers)
 
 
 def classify(exc: BaseException) -> tuple[int, str, str | None]:
@@ -110,18 +142,18 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc)
-        return error_response(400, message, param)
+        return error_response(400, message, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
     async def _known(request: Request, exc: Exception):
         status, message, param = classify(exc)
-        return error_response(status, message, param)
+        return error_response(status, message, param, path=request.url.path)
 
     # Expected errors are answered by the inner exception middleware (no traceback in the
     # log); only unexpected ones reach the catch-all below, which logs them.

@@ -444,9 +444,15 @@ class GenerateResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A model in OpenAI's shape, with Anthropic's fields too (`type`, `display_name`,
+    `created_at`): both clients list and retrieve models from the same route."""
+
     id: str
     object: Literal["model"] = "model"
+    type: Literal["model"] = "model"
+    display_name: str | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
+    created_at: str | None = None
     owned_by: str = "portaserve"
     root: str | None = None
     parent: str | None = None
@@ -461,3 +467,7 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+    # Anthropic's page fields
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None

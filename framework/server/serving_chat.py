@@ -97,7 +97,7 @@ def chat_images(state: ServerState, engine: Any, refs: list[tuple[str, str]], pr
     return ids, tuple(features)
 
 
-class _ChoiceParser:
+class ChoiceParser:
     """One choice's reasoning + tool parsing, for a whole text or a stream of deltas."""
 
     def __init__(self, state: ServerState, plan: ChatPlan, tokenizer: Any) -> None:
@@ -258,13 +258,25 @@ class ChatService:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         return await until_disconnected(raw, self._create(req, raw))
 
-    async def _create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    async def prepare(self, req: ChatCompletionRequest, raw: Request) -> ChatPlan:
+        """`plan`, off the event loop where it may take long: a request's own template
+        renders in another process (up to --chat-template-timeout), images are fetched,
+        decoded and preprocessed."""
         if req.chat_template is not None or chat_image_urls(req.messages):
-            # a request's own template renders in another process (up to --chat-template-timeout);
-            # images are fetched, decoded and preprocessed: neither blocks the event loop
-            plan = await asyncio.to_thread(self.plan, req, raw)
-        else:
-            plan = self.plan(req, raw)
+            return await asyncio.to_thread(self.plan, req, raw)
+        return self.plan(req, raw)
+
+    def submit(self, plan: ChatPlan) -> AsyncIterator[Any]:
+        """The engine's outputs for `plan` (closing the iterator aborts the request)."""
+        return engine_outputs(
+            self.state, plan.engine_id,
+            {"prompt": plan.prompt_text, "prompt_token_ids": plan.prompt_ids, "multi_modal_features": plan.mm_features},
+            plan.params,
+            num_prompt_tokens=len(plan.prompt_ids), priority=plan.request.priority, cache_salt=plan.request.cache_salt,
+        )
+
+    async def _create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        plan = await self.prepare(req, raw)
         state = self.state
         span = state.tracer.start(
             "chat.completions", raw.headers, **{
@@ -274,12 +286,7 @@ class ChatService:
                 "gen_ai.usage.prompt_tokens": len(plan.prompt_ids),
             },
         )
-        gen = engine_outputs(
-            state, plan.engine_id,
-            {"prompt": plan.prompt_text, "prompt_token_ids": plan.prompt_ids, "multi_modal_features": plan.mm_features},
-            plan.params,
-            num_prompt_tokens=len(plan.prompt_ids), priority=req.priority, cache_salt=req.cache_salt,
-        )
+        gen = self.submit(plan)
         try:
             first, gen = await prime(gen)
             if req.stream:
@@ -309,7 +316,7 @@ class ChatService:
         text_of = self._token_text(req)
         choices = []
         for comp in final.outputs:
-            parser = _ChoiceParser(self.state, plan, self.state.engine.tokenizer)
+            parser = ChoiceParser(self.state, plan, self.state.engine.tokenizer)
             reasoning, content, calls = parser.whole(plan.echo_text + comp.text)
             message = ChatMessage(
                 role=self.state.settings.response_role,
@@ -356,7 +363,7 @@ class ChatService:
         continuous = bool(opts and opts.continuous_usage_stats)
         text_of = self._token_text(req)
         n = plan.params.n
-        parsers = [_ChoiceParser(self.state, plan, self.state.engine.tokenizer) for _ in range(n)]
+        parsers = [ChoiceParser(self.state, plan, self.state.engine.tokenizer) for _ in range(n)]
         num_tokens = counts
         num_tokens.extend([0] * n)
         num_calls = [0] * n

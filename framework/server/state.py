@@ -49,6 +49,10 @@ class ServerSettings:
     #: Images requests may load besides data: URLs (framework/multimodal/media.py).
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
+    #: Where stored Responses-API responses live: a SQLite file, or None for memory.
+    response_store: str | None = None
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 * 2**20
     #: Bounds on every size a request supplies (see limits.py).
     limits: RequestLimits = field(default_factory=RequestLimits)
     registry: Any = field(default=None, compare=False)  # a PluginRegistry for the parsers (tests)
@@ -65,6 +69,8 @@ class ServerSettings:
                 get_tool_parser(self.tool_call_parser, self.registry)
             if self.reasoning_parser:
                 get_reasoning_parser(self.reasoning_parser, self.registry)
+        if self.max_stored_responses < 1 or self.max_stored_response_bytes < 1:
+            raise invalid("max_stored_responses", "--max-stored-responses and --max-stored-response-bytes must be >= 1")
         if self.max_request_body_bytes < 1:
             raise invalid("max_request_body_bytes", f"must be >= 1, got {self.max_request_body_bytes}")
 

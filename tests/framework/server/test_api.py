@@ -368,7 +368,7 @@ def test_embeddings_on_a_generative_model_is_400(http):
 def test_mid_stream_failure_is_an_sse_error_event(client, srv, monkeypatch):
     from portaserve.framework.server import serving_chat
 
-    real = serving_chat._ChoiceParser.delta
+    real = serving_chat.ChoiceParser.delta
     calls = {"n": 0}
 
     def failing(self, text, final):
@@ -377,7 +377,7 @@ def test_mid_stream_failure_is_an_sse_error_event(client, srv, monkeypatch):
             raise RuntimeError("boom in the parser")
         return real(self, text, final)
 
-    monkeypatch.setattr(serving_chat._ChoiceParser, "delta", failing)
+    monkeypatch.setattr(serving_chat.ChoiceParser, "delta", failing)
     stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=50, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})
     got = []
@@ -386,7 +386,7 @@ def test_mid_stream_failure_is_an_sse_error_event(client, srv, monkeypatch):
             got.append(chunk)
     assert got  # the failure came after chunks were sent
     assert "Traceback" not in str(info.value)
-    monkeypatch.setattr(serving_chat._ChoiceParser, "delta", real)
+    monkeypatch.setattr(serving_chat.ChoiceParser, "delta", real)
     assert wait_for(lambda: srv.engine.latest_stats.num_running == 0, 20)
 
 
