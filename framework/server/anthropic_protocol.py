@@ -78,4 +78,5 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    disable_any_whitespace: bool = False  # vLLM's: constrained JSON (tool calls, formats) without free whitespace
     stream: bool = False

@@ -230,7 +230,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     if isinstance(req, MessagesRequest):
         body.update(max_completion_tokens=max(req.max_tokens, 1), stop=req.stop_sequences, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=req.stream)
+                    top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=req.stream,
+                    disable_any_whitespace=req.disable_any_whitespace)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:

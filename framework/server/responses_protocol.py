@@ -57,6 +57,7 @@ class ResponsesRequest(OpenAIBaseModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    disable_any_whitespace: bool = False
 
     def unsupported_fields(self) -> None:
         """Raise for the fields that would change the output but cannot be honoured."""

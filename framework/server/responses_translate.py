@@ -194,7 +194,7 @@ def to_chat_request(req: ResponsesRequest, items: list[dict]) -> ChatCompletionR
     if effort is not None:
         body["reasoning_effort"] = effort
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop", "priority",
-                 "cache_salt"):
+                 "cache_salt", "disable_any_whitespace"):
         value = getattr(req, name)
         if value is not None:
             body[name] = value

@@ -166,6 +166,32 @@ def test_the_default_model_answers_through_the_official_client(served):
 
 
 @pytest.mark.slow
+def test_the_default_model_answers_alike_through_all_three_apis(served):
+    """Chat Completions, the Responses API (openai client) and the Messages API (anthropic
+    client): one pipeline underneath, so greedy answers are the same text."""
+    import anthropic
+    import openai
+
+    _, url, _, _ = served
+    question = "What is the capital of France? Answer in one sentence."
+    oa = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chat = oa.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=32,
+                                      messages=[{"role": "user", "content": question}])
+    response = oa.responses.create(model="SmolLM2-135M-Instruct", temperature=0, max_output_tokens=32, input=question)
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    message = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=32, extra_body={"temperature": 0},
+                                     messages=[{"role": "user", "content": question}])
+    answer = chat.choices[0].message.content
+    assert "Paris" in answer
+    assert response.output_text == answer and response.status == "completed"
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == answer
+    assert message.stop_reason == "end_turn"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == message.usage.output_tokens == chat.usage.completion_tokens
+
+
+@pytest.mark.slow
 def test_api_client_chat_and_complete(served, capsys, monkeypatch):
     import io
 
