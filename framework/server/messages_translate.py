@@ -141,7 +141,10 @@ def _assistant_message(content: list[dict], where: str) -> dict:
             calls.append({"id": call_id, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
         elif kind == "thinking":
-            reasoning.append(block.get("thinking") or "")
+            thinking = block.get("thinking") or ""
+            if not isinstance(thinking, str):
+                raise located("messages", f"{at}.thinking: must be a string")
+            reasoning.append(thinking)
         elif kind == "redacted_thinking":
             continue
         else:

@@ -55,6 +55,20 @@ def _constraints(limits: RequestLimits, max_model_len: int | None, vocab_size: i
         "TokenizeRequest": {"messages": {"maxItems": limits.max_messages}, "tools": {"maxItems": limits.max_tools}},
         "DetokenizeRequest": {"tokens": {"maxItems": limits.max_token_ids, "items": token}},
         "GenerateRequest": {"token_ids": {"minItems": 1, "maxItems": limits.max_token_ids, "items": token}},
+        "MessagesRequest": {
+            "max_tokens": {"minimum": 0, **({"maximum": max_model_len} if max_model_len else {})},
+            "messages": {"maxItems": limits.max_messages}, "tools": {"maxItems": limits.max_tools},
+            "stop_sequences": {"maxItems": limits.max_stop_strings, "maxLength": limits.max_stop_string_chars},
+            **{k: v for k, v in _SAMPLING.items() if k in ("temperature", "top_p", "top_k", "seed")},
+        },
+        "CountTokensRequest": {"messages": {"maxItems": limits.max_messages}, "tools": {"maxItems": limits.max_tools}},
+        "ResponsesRequest": {
+            "max_output_tokens": length, "input": {"maxItems": limits.max_messages},
+            "tools": {"maxItems": limits.max_tools},
+            "stop": {"maxItems": limits.max_stop_strings, "maxLength": limits.max_stop_string_chars},
+            **{k: v for k, v in _SAMPLING.items() if k in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                          "repetition_penalty")},
+        },
     }
 
 

@@ -71,10 +71,14 @@ def _content(content: Any, where: str) -> str | list[dict]:
     return "".join(p["text"] for p in parts)
 
 
+def _parts(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _reasoning_text(item: dict) -> str:
-    texts = [c.get("text", "") for c in item.get("content") or () if isinstance(c, dict)]
+    texts = [c.get("text", "") for c in _parts(item.get("content")) if isinstance(c, dict)]
     if not texts:  # only a summary was kept
-        texts = [s.get("text", "") for s in item.get("summary") or () if isinstance(s, dict)]
+        texts = [s.get("text", "") for s in _parts(item.get("summary")) if isinstance(s, dict)]
     return "".join(t for t in texts if isinstance(t, str))
 
 
@@ -96,7 +100,8 @@ def items_to_messages(items: list[dict]) -> list[dict]:
             raise located("input", f"{where}: must be an object")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise located("input", f"{where}.role: {item.get('role')!r}; allowed: 'user', 'assistant', 'system', "
                                        "'developer'")

@@ -241,3 +241,23 @@ def test_the_sqlite_store_survives_a_restart(tmp_path):
     again = SqliteResponseStore(path)
     assert again.get("k", "resp_1") == record(1)
     again.close()
+
+
+@pytest.mark.parametrize("items", [
+    [{"role": {"x": 1}, "content": "x"}],
+    [{"type": "reasoning", "content": 5, "summary": "x"}, {"role": "user", "content": "x"}],
+    [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}],
+    [{"type": "function_call_output", "call_id": "c", "output": {"x": 1}}],
+    [{"role": "user", "content": [{"type": "input_text", "text": 5}]}],
+    [{"role": "user", "content": 5}],
+])
+def test_malformed_items_are_400s_not_crashes(items):
+    try:
+        rt.items_to_messages(items)
+    except InvalidParameterError as exc:
+        assert exc.param == "input"
+
+
+def test_malformed_blocks_are_400s_not_crashes():
+    with pytest.raises(InvalidParameterError):
+        mt.to_chat_request(messages_request(messages=[{"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}]))

@@ -61,7 +61,7 @@ def test_flags_to_config_and_settings(tmp_path):
         f"--served-model-name a b --api-key k1 k2 --logits-processors m:C --kv-cache-memory 0.5 "
         f"--chat-template {template} --allowed-origins http://a.test,http://b.test --enable-request-id-headers "
         f"--limit-mm-per-prompt '{{\"image\": 3}}' --allowed-media-domains img.test cdn.test "
-        f"--allowed-local-media-path {tmp_path}"))
+        f"--allowed-local-media-path {tmp_path} --response-store {tmp_path}/r.db --max-stored-responses 7"))
     config = EngineConfig.create(**engine_kwargs(args))
     assert (config.model, config.device, config.max_model_len, config.enable_prefix_caching) == ("/models/x", "cpu", 256, False)
     assert (config.dtype, config.served_model_name, config.logits_processors) == ("float32", "a", ["m:C"])
@@ -72,6 +72,7 @@ def test_flags_to_config_and_settings(tmp_path):
     assert settings.allowed_origins == ("http://a.test", "http://b.test") and settings.enable_request_id_headers
     assert config.limit_mm_per_prompt == {"image": 3}
     assert settings.allowed_media_domains == ("img.test", "cdn.test") and settings.allowed_local_media_path == str(tmp_path)
+    assert settings.response_store == f"{tmp_path}/r.db" and settings.max_stored_responses == 7
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -83,6 +84,7 @@ def test_flags_to_config_and_settings(tmp_path):
     (["--logits-processors", "no_such_module:X"], ["logits_processors", "no_such_module"]),
     (["--limit-mm-per-prompt", "4"], ["limit_mm_per_prompt", "JSON object"]),
     (["--limit-mm-per-prompt", '{"video": 1}'], ["limit_mm_per_prompt", "'image'"]),
+    (["--max-stored-responses", "0"], ["max_stored_responses", ">= 1"]),
 ])
 def test_bad_flags_fail_before_the_engine_starts(argv, words, capsys):
     from portaserve.framework.cli import main

@@ -189,3 +189,27 @@ def test_private_addresses_are_refused_even_when_allowlisted(allowlisted, url):
     err = r.json()["error"]
     assert "messages[0].content[0]" in err["message"] and ("private" in err["message"] or "loopback" in err["message"]
                                                            or "public" in err["message"]), err
+
+
+def test_images_through_the_messages_and_responses_apis(client, srv):
+    """An image block (Messages API, anthropic client) and an input_image part (Responses
+    API) reach the same model input as a chat image_url part: the same greedy text."""
+    import anthropic
+
+    image = picture(11)
+    url = data_url(image)
+    chat = client.chat.completions.create(
+        model="llava", max_tokens=16, temperature=0,
+        messages=user({"type": "text", "text": "Describe it."}, image_part(url)))
+    response = client.responses.create(model="llava", max_output_tokens=16, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Describe it."},
+                                     {"type": "input_image", "image_url": url}]}])
+    b64 = url.split(",", 1)[1]
+    message = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0).messages.create(
+        model="llava", max_tokens=16, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Describe it."},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
+    text = chat.choices[0].message.content
+    assert response.output_text == text and message.content[0].text == text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
