@@ -188,12 +188,15 @@ async def _until_cancelled(first: Any, gen: AsyncIterator[Any], cancelled: async
     while not first.finished:
         step = asyncio.ensure_future(anext(gen, None))
         stop = asyncio.ensure_future(cancelled.wait())
-        await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not step.done():
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
+        try:
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled (a client gone): `gen` must not be left running
+            stop.cancel()
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
+        if step.cancelled():
             return
         out = step.result()
         if out is None:

@@ -330,9 +330,9 @@ def test_cancelling_a_response_in_progress(plain):
     seen: dict = {}
 
     def consume():
-        body = {"model": "tiny", "input": "Write a long story.", "max_output_tokens": 400, "stream": True,
+        body = {"model": "tiny", "input": "Write a long story.", "max_output_tokens": 480, "stream": True,
                 "extra": None}
-        with httpx.stream("POST", plain.url + "/v1/responses", json=body, headers=headers, timeout=120) as r:
+        with httpx.stream("POST", plain.url + "/v1/responses", json=body, headers=headers, timeout=0.3) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     event = json.loads(line[6:])
@@ -347,7 +347,7 @@ def test_cancelling_a_response_in_progress(plain):
     assert client.responses.retrieve(seen["id"]).status == "in_progress"
     cancelled = client.responses.cancel(seen["id"])
     thread.join(60)
-    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 400
+    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 480
     assert seen["last"]["type"] == "response.incomplete" and seen["last"]["response"]["status"] == "cancelled"
     assert client.responses.retrieve(seen["id"]).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # finished: nothing to cancel
@@ -363,3 +363,16 @@ def test_metrics_count_the_new_routes(plain):
     time.sleep(0.2)
     text = httpx.get(plain.url + "/metrics", headers={"x-api-key": KEY_A}).text
     assert metric(text, "portaserve:request_success_total", model_name="tiny", finished_reason="length") == before + 2
+
+
+def test_a_client_that_leaves_aborts_its_request(plain):
+    headers = {"x-api-key": KEY_A}
+    for path, body in (("/v1/responses", {"model": "tiny", "input": "Write a long story.", "max_output_tokens": 400}),
+                       ("/v1/messages", {"model": "tiny", "max_tokens": 400,
+                                         "messages": [{"role": "user", "content": "Write a long story."}]})):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(plain.url + path, json=body, headers=headers, timeout=0.3)
+        assert wait_for(lambda: plain.engine.num_in_flight() == 0, timeout=30)
+    # and the server goes on
+    assert claude(plain, KEY_A).messages.create(model="tiny", max_tokens=2,
+                                                messages=[{"role": "user", "content": "x"}]).usage.output_tokens == 2
