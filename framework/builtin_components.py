@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .hookspecs import hookimpl
 
-PORTASERVE_CONTRACT = "1.5"
+PORTASERVE_CONTRACT = "1.6"
 
 
 @hookimpl

@@ -73,6 +73,12 @@ class EngineConfig(BaseModel):
         "llguidance), or a registered backend's name")
     limit_mm_per_prompt: dict[str, int] | None = Field(
         None, description="most media items per prompt by modality, as JSON: '{\"image\": 4}' (default 8 images)")
+    enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT format) over the base model")
+    max_loras: int = Field(1, ge=1, description="LoRA adapters resident at once (slots on the device); a step "
+                           "runs requests of at most this many adapters")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = Field(None, ge=1, description="adapters kept loaded in host memory (least "
+                                      "recently used out; default max_loras)")
     logits_processors: list[str] | None = Field(
         None,
         description="fully-qualified 'module:Class' logits processors, instantiated once per worker (no arguments) "

@@ -66,6 +66,11 @@ History:
   by name, the ``StructuredOutputBackend`` interface: compile a constraint for the
   model's vocabulary, match tokens, fill a token bitmask, roll back) and the
   ``apply_token_bitmask`` op (a torch reference; the GPU platforms bind a Triton kernel).
+- 1.6: LoRA adapters: the ``lora_linear`` op (many adapters over one linear layer in one
+  batch, grouped by adapter slot: a torch reference, a C kernel on the CPU platform, a
+  Triton kernel on the GPU platforms). Adapters load in the worker through the model's
+  linear layers, so a platform needs nothing else; one that binds no implementation runs
+  the reference.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "portaserve"
 #: The contract version of this portaserve: (major, minor).
-CONTRACT_VERSION = (1, 5)
+CONTRACT_VERSION = (1, 6)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorator for plugin hook implementations: ``@hookimpl def portaserve_platform(): ...``

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +54,9 @@ class LayerContext:
     tp_size: int = 1
     communicator: Communicator | None = None
     ops: OpTable = field(default_factory=OpTable)
+    #: the adapters' shared state (framework/lora/manager.py LoRAState) when the engine
+    #: serves LoRA adapters: the layers that take adapters allocate their slots from it
+    lora: Any = None
     _attention: dict[str, AttentionBackend] = field(default_factory=dict)
 
     @property

@@ -67,6 +67,23 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_slots: torch.Tensor) -> torch.Tensor:
+    """LoRA adapters over one linear layer, mixed in a batch (punica / S-LoRA's grouping):
+    y [t, out] plus, for each token whose slot s = token_slots[t] >= 0, x[t] A_s^T B_s^T,
+    with x [t, in], lora_a [slots, rank, in], lora_b [slots, out, rank] (the scaling
+    already folded into B) and token_slots [t] int64 (-1: no adapter). Accumulates in
+    float32, returns y's dtype."""
+    out = y.float()
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        shrunk = x.index_select(0, rows).float() @ lora_a[slot].float().t()
+        out.index_add_(0, rows, shrunk @ lora_b[slot].float().t())
+    return out.to(y.dtype)
+
+
 # ----- sample inputs for the conformance kit ------------------------------------------
 
 
@@ -115,6 +132,18 @@ def bitmask_samples(device, dtype, gen):
     return out
 
 
+def lora_samples(device, dtype, gen):
+    out = []
+    for tokens, slots, rank, d_in, d_out in ((1, 1, 8, 64, 96), (7, 3, 16, 128, 64), (33, 4, 16, 96, 320)):
+        y = _randn(gen, tokens, d_out, dtype=dtype, device=device)
+        x = _randn(gen, tokens, d_in, dtype=dtype, device=device)
+        a = (0.1 * _randn(gen, slots, rank, d_in, dtype=torch.float32, device=device)).to(dtype)
+        b = (0.1 * _randn(gen, slots, d_out, rank, dtype=torch.float32, device=device)).to(dtype)
+        token_slots = torch.randint(-1, slots, (tokens,), generator=gen).to(device)
+        out.append((y, x, a, b, token_slots))
+    return out
+
+
 _HERE = "portaserve.framework.op_references"
 
 BUILTIN_OP_SPECS = (
@@ -137,5 +166,11 @@ BUILTIN_OP_SPECS = (
         "tokens at -inf (op 1.5)",
         apply_token_bitmask, f"{_HERE}:bitmask_samples", tolerances={torch.float32: 0.0, torch.bfloat16: 0.0,
                                                                      torch.float16: 0.0}, mutates_inputs=True,
+    ),
+    OpSpec(
+        "lora_linear",
+        "lora_linear(y: [t, out], x: [t, in], lora_a: [slots, rank, in], lora_b: [slots, out, rank], token_slots: "
+        "[t] int64, -1 for none) -> y + x A_s^T B_s^T per token's slot s (op 1.6)",
+        lora_linear, f"{_HERE}:lora_samples", mutates_inputs=True,
     ),
 )

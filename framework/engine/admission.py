@@ -109,3 +109,12 @@ def check_stop(request: Request, token: int, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH
         return True
     return False
+
+
+def lora_fits(scheduler: "Scheduler", request: Request) -> bool:
+    """Whether `request`'s adapter may join the running requests: they use at most
+    `max_loras` adapters, so every step's adapters fit the runner's slots."""
+    max_loras = scheduler.max_loras
+    wanted = request.lora_request.lora_int_id
+    running = {r.lora_request.lora_int_id for r in scheduler.running if r.lora_request is not None}
+    return wanted in running or len(running) < max_loras

@@ -177,7 +177,9 @@ class BlockManager:
     # ----- hashing -----------------------------------------------------------------
 
     def _extra_key(self, request: Request) -> Any:
-        return request.cache_salt
+        # an adapter changes every layer's keys and values: blocks are shared per adapter only
+        lora = request.lora_request
+        return request.cache_salt if lora is None else (request.cache_salt, "lora", lora.lora_int_id)
 
     def _hash_block(self, request: Request, state: _RequestBlocks) -> Hashable:
         """Compute and append the hash of the request's next unhashed full block."""

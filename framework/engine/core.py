@@ -46,6 +46,7 @@ class EngineCore:
             max_prefill_tokens_with_decodes=spec.plan.prefill_cap_with_decodes,
             block_manager=self.block_manager,
             structured=None if spec.is_pooling else StructuredOutputManager(spec, spec.plan.structured_outputs.name),
+            max_loras=config.max_loras,
         )
         self.weights_version = 0
         self.sleep_level = 0

@@ -259,13 +259,15 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self.queues:
             raise invalid("request_id", f"{request_id!r} is already in flight")
-        processed = self.processor.process(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        processed = self.processor.process(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                           lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         self.output_processor.add_request(processed)

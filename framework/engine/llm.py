@@ -85,12 +85,14 @@ class LLM:
             kwargs["temperature"] = 0.0
         return SamplingParams(**{k: v for k, v in kwargs.items() if k != "max_tokens"})
 
-    def _run(self, prompts: list[Any], params: list[SamplingParams | PoolingParams], use_tqdm: bool, priority: list[int] | None):
+    def _run(self, prompts: list[Any], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
+             priority: list[int] | None, loras: list[Any] | None = None):
         engine = self.llm_engine
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = engine.next_request_id()
-            engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                               lora_request=loras[i] if loras else None)
             ids.append(rid)
         results: dict[str, Any] = {}
         bar = None
@@ -122,14 +124,21 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Complete each prompt: text, token ids, or a dict {"prompt": ...} / {"prompt_token_ids":
-        [...]}, with "multi_modal_data": {"image": PIL image or list} for vision-language models."""
+        [...]}, with "multi_modal_data": {"image": PIL image or list} for vision-language models.
+
+        :param lora_request: a `LoRARequest` for every prompt, or a list with one per prompt
+            (None entries run the base model); needs `LLM(enable_lora=True)`."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, priority)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise invalid("lora_request", f"got {len(loras)} for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority, loras)
 
     def chat(
         self,

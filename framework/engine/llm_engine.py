@@ -59,11 +59,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> None:
         if self.output_processor.has_request(request_id):
             raise invalid("request_id", f"{request_id!r} is already in flight")
         processed = self.processor.process(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time,
+            lora_request=lora_request,
         )
         self.output_processor.add_request(processed)
         try:

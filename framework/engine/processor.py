@@ -8,6 +8,8 @@ prefix cache, its KV blocks).
 
 from __future__ import annotations
 
+from typing import Any
+
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -131,6 +133,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> ProcessedRequest:
         text, token_ids = self._prompt_tokens(prompt)
         if not token_ids:
@@ -184,9 +187,22 @@ class InputProcessor:
                     cache_salt=cache_salt,
                     max_tokens=max_tokens,
                     mm_features=mm_features,
+                    lora_request=self._check_lora(lora_request),
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, params, tuple(children), arrival)
+
+    def _check_lora(self, lora_request: Any) -> Any:
+        if lora_request is None:
+            return None
+        if not self.spec.config.enable_lora:
+            raise invalid("lora_request", "this engine does not serve LoRA adapters; start it with enable_lora=True "
+                                          "(--enable-lora)")
+        from portaserve.framework.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise invalid("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")
+        return lora_request
 
     def _prompt_tokens(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

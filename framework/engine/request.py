@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from portaserve.framework.lora.request import LoRARequest
 from portaserve.framework.multimodal.inputs import MultiModalFeature
 
 from .params import PoolingParams, SamplingParams
@@ -56,6 +57,8 @@ class Request:
     mm_features: tuple[MultiModalFeature, ...] = ()
     # structured outputs: the engine core's GrammarState (compile, then matcher); set there
     grammar: Any = None
+    # the LoRA adapter it runs with (framework/lora), None for the base model
+    lora_request: LoRARequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -24,6 +24,7 @@ vLLM v1's unified scheme, pure Python (no tensors, no vendor checks):
   (encoder_cache.py) or encoded this step within the encoder budget, else the chunk
   stops before the image. Structured outputs: a request waits outside the queue while
   its grammar compiles; each step carries the bitmask rows of the sequences it samples.
+  LoRA: running requests use at most `max_loras` adapters (admission.py).
 
 `request.num_computed_tokens` always counts tokens whose K/V is written (or will be,
 by the step just scheduled): `schedule()` advances it for everything it scheduled.
@@ -40,19 +41,12 @@ from typing import Any
 
 from portaserve.framework.errors import invalid
 
-from .admission import check_request_fits, check_siblings_fit, check_stop
+from .admission import check_request_fits, check_siblings_fit, check_stop, lora_fits
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCacheManager
 from .request_queue import FcfsQueue, PriorityQueue
 from .request import Request, RequestStatus
-from .scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    Logprobs,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from .scheduler_output import CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: image embeddings the encoder may compute per step when the token budget is smaller
@@ -112,6 +106,7 @@ class Scheduler:
         encoder_budget: int | None = None,
         encoder_cache_size: int | None = None,
         structured: Any = None,
+        max_loras: int = 1,
     ) -> None:
         if max_prefill_tokens_with_decodes is not None and (
             not isinstance(max_prefill_tokens_with_decodes, int) or max_prefill_tokens_with_decodes < 1
@@ -130,7 +125,7 @@ class Scheduler:
             raise invalid("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         if block_size != block_manager.block_size:
             raise invalid("block_size", f"{block_size} differs from the block manager's {block_manager.block_size}")
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.max_loras = max_num_seqs, max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -353,6 +348,8 @@ class Scheduler:
                 if self._make_room(request, step):
                     continue
                 break
+            if request.lora_request is not None and not lora_fits(self, request):
+                break
             hit_blocks, num_hit = bm.get_computed_blocks(request, record_stats=False)
             num_new = request.num_tokens - num_hit
             if num_new > min(step.budget, step.prefill_budget) and not self._can_chunk(request, num_new):
@@ -474,6 +471,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 # placements and hashes only: pixels travel once, in scheduled_encoder_inputs
                 mm_features=tuple(replace(f, pixel_values=b"") for f in r.mm_features),
+                lora_request=r.lora_request,
             )
             for r in step.new_requests
         )

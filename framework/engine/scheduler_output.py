@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from portaserve.framework.lora.request import LoRARequest
 from portaserve.framework.multimodal.inputs import MultiModalFeature
 
 from .params import PoolingParams, SamplingParams
@@ -30,6 +31,7 @@ class NewRequestData:
     block_ids: tuple[int, ...]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
     mm_features: tuple[MultiModalFeature, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

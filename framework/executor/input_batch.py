@@ -34,6 +34,7 @@ class RequestState:
     # multimodal RoPE (Qwen2-VL): the prompt's [3, num_prompt_tokens] positions and the
     # shift of every later token's position; None for ordinary positions
     rope_positions: tuple | None = None
+    lora_id: int = 0  # its adapter's lora_int_id, 0 for the base model
 
 
 @dataclass(frozen=True, slots=True)

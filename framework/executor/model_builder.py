@@ -13,6 +13,8 @@ import logging
 import os
 import time
 
+from typing import Any
+
 import torch
 
 from portaserve.framework.checkpoint import iter_weights, load_hf_config
@@ -34,10 +36,12 @@ def build_model(
     communicator: Communicator | None = None,
     *,
     progress: bool | None = None,
+    lora: Any = None,
 ) -> ModelArchitecture:
     """Build the plan's architecture for rank `tp_rank` of `tp_size` and load its weights.
 
     :param progress: show a progress bar while loading (default: on rank 0 only).
+    :param lora: a `LoRAState` when the engine serves adapters (the layers allocate their slots).
     :returns: the model in eval mode, parameters in `plan.dtype` on `device`.
     """
     device = torch.device(device)
@@ -48,6 +52,9 @@ def build_model(
     hf_config = load_hf_config(model_path)
     arch_cls = plan.model_class(registry)
     ctx = LayerContext.from_plan(plan, registry, device, tp_rank, tp_size, communicator)
+    if lora is not None:
+        lora.bind(ctx)
+        ctx.lora = lora
     start, rss_before = time.perf_counter(), _resident_bytes()
     # Parameters are allocated where they will live; no CPU staging copy of the model.
     with torch.device(device):

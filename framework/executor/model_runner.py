@@ -25,6 +25,7 @@ from portaserve.framework.executor.sampler import Sampler, compute_prompt_logpro
 from portaserve.framework.executor.sampling_state import SamplingState
 from portaserve.framework.interfaces import Communicator, KVCacheAllocator, Platform
 from portaserve.framework.layer_context import LayerContext, StepContext
+from portaserve.framework.lora.manager import LoRAManager, LoRAState
 from portaserve.framework.plugins import PluginRegistry, import_object
 
 logger = logging.getLogger("portaserve")
@@ -83,6 +84,9 @@ class ModelRunner:
         # image hash -> the model's embeddings of it [num_tokens, hidden]; what it holds is
         # decided by the scheduler's EncoderCacheManager (SchedulerOutput.free_encoder_hashes)
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        # LoRA adapters (framework/lora): the layers' shared state and the slot manager
+        self.lora_state = LoRAState(spec.config.max_loras, spec.config.max_lora_rank) if spec.config.enable_lora else None
+        self.lora = None
 
     # ----- setup -----------------------------------------------------------------------
 
@@ -102,10 +106,13 @@ class ModelRunner:
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
                 communicator=self.communicator,
+                lora=self.lora_state,
             )
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
+        if self.lora_state is not None:
+            self.lora = LoRAManager(self.lora_state, self.spec.config.max_cpu_loras)
         backend = self.plan.compile_backend
         self.forward = build_forward(
             self.model,
@@ -173,7 +180,10 @@ class ModelRunner:
                 prompt_logprobs=params.prompt_logprobs if params is not None else None,
                 is_pooling=new.pooling_params is not None,
                 mm_features=new.mm_features,
+                lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
+            if new.lora_request is not None:
+                self.lora.remember(new.lora_request)
             if new.mm_features and hasattr(self.model, "rope_positions"):
                 self.requests[new.req_id].rope_positions = self.model.rope_positions(len(new.prompt_token_ids),
                                                                                      new.mm_features)
@@ -230,6 +240,7 @@ class ModelRunner:
             positions = rope_3d
         metadata = {layer_type: backend.build_metadata(batch) for layer_type, backend in self.step_backends.items()}
         mm_embeds = self._gather_mm_embeds(states, host.query_start_loc)
+        self._set_lora_slots(states, host.query_start_loc, input_ids.shape[0])
         return ModelInputs(
             req_ids=req_ids,
             states=states,
@@ -302,14 +313,29 @@ class ModelRunner:
             return None
         return torch.cat(rows).to(self.device), torch.cat(values)
 
+    def _set_lora_slots(self, states, query_start_loc, num_rows: int) -> None:
+        """The step's token -> adapter slot map (-1: the base model; padding rows too), or
+        None when no request of the step runs an adapter."""
+        if self.lora_state is None:
+            return
+        self.lora_state.token_slots = None
+        if not any(s.lora_id for s in states):
+            return
+        slot_of = self.lora.activate(s.lora_id for s in states)
+        slots = torch.full((num_rows,), -1, dtype=torch.int64)
+        for state, lo, hi in zip(states, query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()):
+            if state.lora_id:
+                slots[lo:hi] = slot_of[state.lora_id]
+        self.lora_state.token_slots = slots.to(self.device)
+
     def _forward(self) -> EagerForward:
         return self.forward or EagerForward(self.model)
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         """The model's hidden states of the step's real tokens: [num_tokens, hidden]."""
-        if inputs.step.mm_embeds is not None:
-            # steps that carry images run the model eagerly (compiled and recorded forwards
-            # are specialized to token inputs)
+        if inputs.step.mm_embeds is not None or (self.lora_state is not None and self.lora_state.token_slots is not None):
+            # steps that carry images or adapters run the model eagerly (compiled and
+            # recorded forwards are specialized to token inputs and the base weights)
             return self.model(inputs.input_ids, inputs.positions, inputs.step)[: inputs.num_tokens]
         return self._forward()(inputs.input_ids, inputs.positions, inputs.step)[: inputs.num_tokens]
 

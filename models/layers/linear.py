@@ -25,6 +25,8 @@ from torch import nn
 
 from portaserve.framework.layer_context import LayerContext
 
+from .lora import attach as attach_lora
+
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
@@ -77,6 +79,20 @@ class LinearBase(nn.Module):
             self.bias = None
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
+        # LoRA slots when the engine serves adapters (models/layers/lora.py)
+        self.lora = attach_lora(self, ctx.lora)
+
+    def lora_slices(self) -> list[tuple[int, int, int, int]]:
+        """Per output part: (first row of this rank's share, rows, offset in this rank's
+        output, the part's full size): how a LoRA B is cut like this layer's weight."""
+        return [(0, self.output_size_per_rank, 0, self.output_size)]
+
+    def lora_input_slice(self) -> tuple[int, int] | None:
+        """(first column, columns) of the input this rank sees, when the input is split."""
+        return None
+
+    def _with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y if self.lora is None else self.lora.add(y, x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's part of the full checkpoint tensor `loaded` into `param`."""
@@ -99,7 +115,7 @@ class ReplicatedLinear(LinearBase):
         _copy_into(param.data, loaded, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self._with_lora(self.quant_method.apply(self, x, self.bias), x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -126,6 +142,11 @@ class ColumnParallelLinear(LinearBase):
     def _per_rank_sizes(self, tp_size: int) -> list[int]:
         return [divide(size, tp_size, f"output size of {type(self).__name__}") for size in self.output_sizes]
 
+    def lora_slices(self) -> list[tuple[int, int, int, int]]:
+        per_rank = self._per_rank_sizes(self.tp_size)
+        return [(self.tp_rank * size, size, sum(per_rank[:j]), full)
+                for j, (size, full) in enumerate(zip(per_rank, self.output_sizes))]
+
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         output_dim, _ = _shard_dims(param, self.output_size_per_rank)
         if output_dim is None or loaded.dim() == 0:
@@ -137,7 +158,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> y: [num_tokens, output_size_per_rank]
-        y = self.quant_method.apply(self, x, self.bias)
+        y = self._with_lora(self.quant_method.apply(self, x, self.bias), x)
         if self.gather_output and self.tp_size > 1:
             y = self.communicator.all_gather(y, dim=-1)
         return y
@@ -216,6 +237,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _per_rank_sizes(self, tp_size: int) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
+    def lora_slices(self) -> list[tuple[int, int, int, int]]:
+        q, kv = self.q_size, self.kv_size
+        kv_rank = self.tp_rank // self.num_kv_replicas
+        return [(self.tp_rank * q, q, 0, self.num_heads * self.head_size),
+                (kv_rank * kv, kv, q, self.num_kv_heads * self.head_size),
+                (kv_rank * kv, kv, q + kv, self.num_kv_heads * self.head_size)]
+
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         output_dim, _ = _shard_dims(param, self.output_size_per_rank)
         if output_dim is None or loaded.dim() == 0:
@@ -263,6 +291,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size, output_size, per_rank, output_size, bias, ctx, prefix)
         self.reduce_results = reduce_results
 
+    def lora_input_slice(self) -> tuple[int, int] | None:
+        return (self.tp_rank * self.input_size_per_rank, self.input_size_per_rank) if self.tp_size > 1 else None
+
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         _, input_dim = _shard_dims(param, self.output_size_per_rank)
         if input_dim is None or loaded.dim() == 0:
@@ -274,8 +305,9 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size_per_rank] -> y: [num_tokens, output_size]
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        y = self.quant_method.apply(self, x, None)
+            return self._with_lora(self.quant_method.apply(self, x, self.bias), x)
+        # each rank's LoRA term is partial (its input columns), summed by the all-reduce
+        y = self._with_lora(self.quant_method.apply(self, x, None), x)
         if self.reduce_results:
             y = self.communicator.all_reduce(y)
         if self.bias is not None:
