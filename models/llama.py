@@ -215,6 +215,15 @@ class LlamaForCausalLM(ModelArchitecture):
         )
 
     @classmethod
+    def lora_modules(cls, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+        cfg = cls.decoder_config(hf_config)
+        h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+                  "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+                  "mlp.down_proj": (inter, h)}
+        return {f"model.layers.{i}.{name}": shape for i in range(cfg.num_layers) for name, shape in shapes.items()}
+
+    @classmethod
     def attention_specs(cls, hf_config, dtype: torch.dtype, kv_cache_dtype: str) -> dict[str, AttentionSpec]:
         cfg = cls.decoder_config(hf_config)
         specs = {}

@@ -103,6 +103,10 @@ class EngineCore:
     def stats(self):
         return self.scheduler.stats()
 
+    def lora_stats(self) -> dict[str, int]:
+        """Rank 0's adapter counters (framework/lora/manager.py); empty without --enable-lora."""
+        return self.executor.call_workers("lora_stats")[0] if self.spec.config.enable_lora else {}
+
     def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes; False (nothing changed) while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()

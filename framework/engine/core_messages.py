@@ -105,6 +105,7 @@ CORE_METHODS: dict[str, tuple[Any, Any]] = {
     "init_weight_update_group": (tuple[str, int, int, int, float | None], dict[str, Any]),
     "update_weights_from_distributed": (tuple[list[str], list[str], list[list[int]]], dict[str, Any]),
     "destroy_weight_update_group": (tuple[()], None),
+    "lora_stats": (tuple[()], dict[str, int]),
 }
 
 _ERRORS: dict[str, type[BaseException]] = {

@@ -8,8 +8,6 @@ prefix cache, its KV blocks).
 
 from __future__ import annotations
 
-from typing import Any
-
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -198,11 +196,33 @@ class InputProcessor:
         if not self.spec.config.enable_lora:
             raise invalid("lora_request", "this engine does not serve LoRA adapters; start it with enable_lora=True "
                                           "(--enable-lora)")
+        from portaserve.framework.lora.peft_adapter import load_peft_adapter
         from portaserve.framework.lora.request import LoRARequest
 
         if not isinstance(lora_request, LoRARequest):
             raise invalid("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        checked = self.__dict__.setdefault("_loras_checked", {})
+        if key not in checked:
+            # the whole adapter is read and checked here, so a bad one is this request's
+            # 400 and never reaches the workers
+            load_peft_adapter(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path,
+                              self.spec.config.max_lora_rank, self.lora_shapes())
+            if len(checked) >= 1024:
+                checked.clear()
+            checked[key] = True
         return lora_request
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """The model's adaptable modules (ModelArchitecture.lora_modules)."""
+        if not hasattr(self, "_lora_shapes"):
+            from portaserve.framework.plugins import get_registry
+
+            shapes = self.spec.plan.model_class(get_registry()).lora_modules(self.spec.hf_config)
+            if shapes is None:
+                raise invalid("lora_request", f"{self.spec.plan.model_architecture.name} takes no LoRA adapters")
+            self._lora_shapes = shapes
+        return self._lora_shapes
 
     def _prompt_tokens(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

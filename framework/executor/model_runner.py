@@ -313,6 +313,13 @@ class ModelRunner:
             return None
         return torch.cat(rows).to(self.device), torch.cat(values)
 
+    def lora_stats(self) -> dict[str, int]:
+        """Adapter loads into slots, evictions from them, adapters resident now."""
+        if self.lora is None:
+            return {}
+        return {"lora_loads": self.lora.num_loads, "lora_evictions": self.lora.num_evictions,
+                "loras_resident": len(self.lora.resident())}
+
     def _set_lora_slots(self, states, query_start_loc, num_rows: int) -> None:
         """The step's token -> adapter slot map (-1: the base model; padding rows too), or
         None when no request of the step runs an adapter."""

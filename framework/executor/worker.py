@@ -73,6 +73,9 @@ class Worker:
 
     # ----- live weight updates (see weight_update.py), sleep / wake ----------------------
 
+    def lora_stats(self) -> dict[str, int]:
+        return self.runner.lora_stats()
+
     def weights_info(self) -> dict:
         """This rank's parameters: how many tensors and bytes it holds, and where."""
         from .weight_update import _unique_params

@@ -77,6 +77,7 @@ WORKER_METHODS: dict[str, tuple[Any, Any]] = {
     "sleep": (tuple[int], dict[str, Any]),
     "wake_up": (tuple[list[str] | None], dict[str, Any]),
     "shutdown": (tuple[()], None),
+    "lora_stats": (tuple[()], dict[str, int]),
 }
 
 

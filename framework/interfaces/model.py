@@ -149,6 +149,16 @@ class ModelArchitecture(nn.Module, ABC):
         the engine expands each placeholder to that many tokens. (Contract 1.4.)"""
         return None
 
+    @classmethod
+    def lora_modules(cls, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, int]] | None:
+        """The modules a LoRA adapter may target, by checkpoint name, with their full
+        (in_features, out_features), or None when this architecture takes no adapters (the
+        default). The front end checks an adapter's tensors against them before a request
+        runs; the model's linear layers hold the adapters (they do, for every layer whose
+        name the adapter targets, once built with a LayerContext carrying LoRA slots).
+        (Contract 1.6.)"""
+        return None
+
     def embed_multimodal(self, features: Sequence[Any]) -> list[torch.Tensor]:
         """The input embeddings of images: one [feature.length, hidden_size] tensor per
         `MultiModalFeature` (its `pixels()` and `grid_thw`). The engine caches them by the

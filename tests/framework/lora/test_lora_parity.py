@@ -1,0 +1,125 @@
+"""LoRA adapters against transformers + peft (float32 greedy, random-weight base and
+adapters written by peft): each adapter's output is token-identical to peft's with that
+adapter, in one batch mixing three adapters and the base model, with eviction under
+--max-loras 1, and the prefix cache never shares blocks between adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from lora_adapters import reference_greedy, write_adapter  # noqa: E402
+from portaserve import LLM, SamplingParams  # noqa: E402
+from portaserve.framework.errors import InvalidParameterError  # noqa: E402
+from portaserve.framework.lora import LoRARequest  # noqa: E402
+from portaserve.framework.lora.peft_adapter import load_peft_adapter  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from portaserve.models.checkpoints import write_checkpoint
+
+    root = tmp_path_factory.mktemp("lora")
+    base = str(write_checkpoint("Qwen2ForCausalLM", "tiny", root / "base"))
+    adapters = [
+        write_adapter(base, root / "a1", seed=1, rank=4),
+        write_adapter(base, root / "a2", seed=2, rank=16, alpha=8, use_rslora=True),
+        write_adapter(base, root / "a3", seed=3, rank=8, targets=("q_proj", "v_proj", "down_proj")),
+    ]
+    return base, adapters
+
+
+def prompts(seed: int, lengths=(5, 9, 13, 7)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in lengths]
+
+
+def greedy(llm, prompt_list, loras) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_list],
+                        SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True), lora_request=loras,
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_a_mixed_batch_matches_peft(setup):
+    base, adapters = setup
+    llm = LLM(model=base, dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16)
+    loras = [LoRARequest(f"a{i + 1}", i + 1, path) for i, path in enumerate(adapters)] + [None]
+    batch = prompts(0)
+    got = greedy(llm, batch, loras)
+    for prompt, lora, tokens in zip(batch, loras, got):
+        assert tokens == reference_greedy(base, lora.lora_path if lora else None, prompt, MAX_NEW)
+    # the adapters matter: each gives another output than the base model on the same prompt
+    same_prompt = [batch[0]] * 4
+    outs = greedy(llm, same_prompt, loras)
+    assert len({tuple(o) for o in outs}) == 4
+
+
+def test_eviction_with_one_slot(setup):
+    base, adapters = setup
+    llm = LLM(model=base, dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=1)
+    batch = prompts(1, (6, 8, 10, 12))
+    loras = [LoRARequest("a1", 1, adapters[0]), LoRARequest("a2", 2, adapters[1])] * 2
+    got = greedy(llm, batch, loras)  # the scheduler runs one adapter at a time, alternating slots
+    for prompt, lora, tokens in zip(batch, loras, got):
+        assert tokens == reference_greedy(base, lora.lora_path, prompt, MAX_NEW)
+    assert llm.llm_engine.core.lora_stats()["lora_evictions"] >= 1
+
+
+def test_the_prefix_cache_is_keyed_by_adapter(setup):
+    """Same prompt, two adapters, the second run would hit the first's blocks if hashes
+    ignored the adapter: its output would then be computed on the wrong K/V."""
+    base, adapters = setup
+    llm = LLM(model=base, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              enable_prefix_caching=True, block_size=8)
+    prompt = prompts(2, (33,))[0]
+    first = greedy(llm, [prompt], [LoRARequest("a1", 1, adapters[0])])[0]
+    second = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=MAX_NEW, temperature=0,
+                                                                         ignore_eos=True),
+                          lora_request=LoRARequest("a2", 2, adapters[1]), use_tqdm=False)[0]
+    assert second.num_cached_tokens == 0
+    assert list(second.outputs[0].token_ids) == reference_greedy(base, adapters[1], prompt, MAX_NEW)
+    again = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=MAX_NEW, temperature=0,
+                                                                        ignore_eos=True),
+                         lora_request=LoRARequest("a1", 1, adapters[0]), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32 and list(again.outputs[0].token_ids) == first  # same adapter: shared
+
+
+def test_adapters_that_cannot_be_served_are_refused_by_name(setup, tmp_path):
+    base, adapters = setup
+    llm = LLM(model=base, dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    shapes = llm.llm_engine.processor.lora_shapes()
+    with pytest.raises(InvalidParameterError, match="exceeds --max-lora-rank 8"):
+        load_peft_adapter("a2", 2, adapters[1], 8, shapes)
+    dora = write_adapter(base, tmp_path / "dora", seed=4, rank=4, use_dora=True)
+    with pytest.raises(InvalidParameterError, match="DoRA"):
+        load_peft_adapter("dora", 4, dora, 8, shapes)
+    saved = write_adapter(base, tmp_path / "save", seed=5, rank=4, modules_to_save=["lm_head"])
+    with pytest.raises(InvalidParameterError, match="modules_to_save"):
+        load_peft_adapter("save", 5, saved, 8, shapes)
+    embed = write_adapter(base, tmp_path / "embed", seed=6, rank=4, targets=("embed_tokens", "q_proj"))
+    with pytest.raises(InvalidParameterError, match="embed_tokens"):
+        load_peft_adapter("embed", 6, embed, 8, shapes)
+    narrow = {k: (v[0], v[1] // 2) for k, v in shapes.items()}  # another model's shapes
+    with pytest.raises(InvalidParameterError, match=r"lora_A / lora_B have shapes"):
+        load_peft_adapter("a1", 1, adapters[0], 8, narrow)
+    with pytest.raises(InvalidParameterError, match="no adapter_config.json"):
+        load_peft_adapter("none", 7, str(tmp_path), 8, shapes)
+    cfg = json.loads((Path(adapters[0]) / "adapter_config.json").read_text())
+    assert cfg["r"] == 4
+    # a request naming an adapter that cannot be served is refused before it runs
+    with pytest.raises(InvalidParameterError, match="DoRA"):
+        greedy(llm, prompts(3, (5,)), [LoRARequest("dora", 9, dora)])
+    assert greedy(llm, prompts(3, (5,)), [None])  # the engine goes on
+    plain = LLM(model=base, dtype="float32", device="cpu")
+    with pytest.raises(InvalidParameterError, match="enable_lora"):
+        greedy(plain, prompts(3, (5,)), [LoRARequest("a1", 1, adapters[0])])
