@@ -101,6 +101,10 @@ FLAGS: tuple[Flag, ...] = (
          default=1024),
     Flag("max_stored_response_bytes", "most bytes of stored /v1/responses responses; the oldest go first", _SERVER,
          type=int, default=256 * 2**20),
+    Flag("lora_modules", "LoRA adapters to serve from the start, as name=path (PEFT folders; needs --enable-lora)",
+         _SERVER, kind="list", metavar="NAME=PATH"),
+    Flag("allowed_lora_path", "folders whose adapters /v1/load_lora_adapter may load (default none: the load and "
+         "unload routes are off)", _SERVER, kind="list", metavar="DIR"),
     # ----- the engine (EngineConfig fields)
     Flag("device", "'auto' (the best available platform; PORTASERVE_DEVICE when set) or a platform name: "
          "cpu, cuda, rocm, xpu, tpu, or a plugin's"),
@@ -147,6 +151,10 @@ FLAGS: tuple[Flag, ...] = (
          "(xgrammar if installed, else llguidance) or a registered backend's name"),
     Flag("limit_mm_per_prompt", "most media items per prompt, as JSON: '{\"image\": 4}' (default 8 images)",
          type=str, metavar="JSON"),
+    Flag("enable_lora", "serve LoRA adapters (a request names one by its model name)", kind="switch"),
+    Flag("max_loras", "LoRA adapters resident at once; a step runs requests of at most this many"),
+    Flag("max_lora_rank", "the largest LoRA rank an adapter may have (slots are this size)"),
+    Flag("max_cpu_loras", "LoRA adapters kept loaded in host memory (default: max-loras)"),
     Flag("logits_processors", "fully-qualified 'module:Class' logits processors applied to every request "
          "(instantiated once per worker)", kind="list", metavar="MODULE:CLASS"),
 )
@@ -260,6 +268,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def _lora_modules(values) -> tuple[tuple[str, str], ...]:
+    from portaserve.framework.errors import invalid
+
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise invalid("lora_modules", f"{value!r} is not name=path")
+        out.append((name, path))
+    return tuple(out)
+
+
 def server_settings(args: argparse.Namespace) -> "Any":
     from portaserve.framework.engine.chat import load_chat_template
     from portaserve.framework.server.limits import RequestLimits
@@ -287,6 +307,8 @@ def server_settings(args: argparse.Namespace) -> "Any":
         weight_update_allowed_addresses=tuple(args.weight_update_allowed_addresses or ()),
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allowed_local_media_path=args.allowed_local_media_path,
+        lora_modules=_lora_modules(args.lora_modules or ()),
+        allowed_lora_paths=tuple(args.allowed_lora_path or ()),
         response_store=args.response_store,
         max_stored_responses=args.max_stored_responses,
         max_stored_response_bytes=args.max_stored_response_bytes,

@@ -45,7 +45,7 @@ from portaserve.framework.server.responses_protocol import ResponsesRequest
 from portaserve.framework.server.serving_responses import ResponsesService
 from portaserve.framework.server.serving_tokens import TokenService
 from portaserve.framework.server.state import ServerSettings, ServerState
-from portaserve.framework.server import weights_routes
+from portaserve.framework.server import lora_routes, weights_routes
 from portaserve.framework.server.openapi import honest_openapi
 
 if TYPE_CHECKING:
@@ -224,6 +224,11 @@ def create_app(
                 input_modalities=["text", "image"] if takes_images else ["text"],
             )
             for name in state.model_names
+        ] + [
+            ModelCard(id=name, display_name=name, created=created, root=lora.lora_path, parent=state.model_names[0],
+                      created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                      max_model_len=spec.max_model_len if spec is not None else None)
+            for name, lora in list(state.loras.items())
         ]
 
     @app.get("/v1/models")
@@ -248,6 +253,9 @@ def create_app(
         if engine is not None and engine.is_healthy:
             with contextlib.suppress(Exception):  # a fresh snapshot; the last step's otherwise
                 state.metrics.update_stats(await engine.call("stats", timeout=2.0))
+            if engine.spec.config.enable_lora:
+                with contextlib.suppress(Exception):
+                    state.metrics.update_lora_stats(await engine.call("lora_stats", timeout=2.0))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/chat/completions")
@@ -305,6 +313,7 @@ def create_app(
     # the X-Weights-Version header; the admin routes (weight updates, sleep / wake) only
     # with --enable-admin-api
     weights_routes.install(app, admin=settings.enable_admin_api)
+    lora_routes.install(app, state)
 
     plain_openapi = app.openapi
 

@@ -86,6 +86,11 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
                                LATENCY_BUCKETS)
+        # LoRA adapters: requests per adapter, and the workers' loads / evictions / residents
+        self.lora_requests = counter("lora_requests", "Requests per LoRA adapter.", lab + ["lora_name"])
+        self.lora_loads = gauge("lora_loads", "LoRA adapters written into a slot since start (cumulative).")
+        self.lora_evictions = gauge("lora_evictions", "LoRA adapters evicted from their slot since start (cumulative).")
+        self.loras_resident = gauge("loras_resident", "LoRA adapters resident in slots now.")
         self.info = Gauge(PREFIX + "platform_info", "The platform, device and attention backends serving this model.",
                           ["model_name", "platform", "device_name", "attention_backend"], registry=reg)
         if plan is not None:
@@ -121,6 +126,12 @@ class ServerMetrics:
             if delta > 0:
                 counter.labels(m).inc(delta)
             self._last[key] = value
+
+    def update_lora_stats(self, stats: dict) -> None:
+        m = self.model_name
+        for gauge, key in ((self.lora_loads, "lora_loads"), (self.lora_evictions, "lora_evictions"),
+                           (self.loras_resident, "loras_resident")):
+            gauge.labels(m).set(stats.get(key, 0))
 
     # ----- requests --------------------------------------------------------------------------
 

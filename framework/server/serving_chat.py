@@ -74,6 +74,8 @@ class ChatPlan:
     echo_text: str
     #: the images (MultiModalFeatures), placeholders already expanded in prompt_ids
     mm_features: tuple = ()
+    #: the LoRA adapter the request's `model` names, None for the base model
+    lora_request: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -251,7 +253,7 @@ class ChatService:
             echo_text = content if isinstance(content, str) else ""
         response_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
         return ChatPlan(req, model, response_id, engine_request_id(response_id), prompt_text, prompt_ids, params,
-                        tool_choice, forced, echo_text, features)
+                        tool_choice, forced, echo_text, features, state.lora_for(model))
 
     # ----- the route -----------------------------------------------------------------------------------
 
@@ -273,6 +275,7 @@ class ChatService:
             {"prompt": plan.prompt_text, "prompt_token_ids": plan.prompt_ids, "multi_modal_features": plan.mm_features},
             plan.params,
             num_prompt_tokens=len(plan.prompt_ids), priority=plan.request.priority, cache_salt=plan.request.cache_salt,
+            lora_request=plan.lora_request,
         )
 
     async def _create(self, req: ChatCompletionRequest, raw: Request) -> Response:

@@ -59,6 +59,7 @@ async def engine_outputs(
     num_prompt_tokens: int,
     priority: int = 0,
     cache_salt: str | None = None,
+    lora_request: Any = None,
 ) -> AsyncIterator[Any]:
     """The engine's outputs for one request, tracked for metrics.
 
@@ -70,7 +71,10 @@ async def engine_outputs(
     n = getattr(params, "n", 1)
     if metrics is not None:
         metrics.track(engine_id, n, num_prompt_tokens)
-    gen = engine.generate(engine_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        if lora_request is not None:
+            metrics.lora_requests.labels(metrics.model_name, lora_request.lora_name).inc()
+    gen = engine.generate(engine_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                          **({"lora_request": lora_request} if lora_request is not None else {}))
     try:
         async for out in gen:
             note_weights_version(out)

@@ -127,6 +127,7 @@ class CompletionService:
                 gen = engine_outputs(
                     self.state, p.engine_id, {"prompt": p.text, "prompt_token_ids": p.ids}, params,
                     num_prompt_tokens=len(p.ids), priority=req.priority, cache_salt=req.cache_salt,
+                    lora_request=self.state.lora_for(plan.model),
                 )
                 gens.append(await prime(gen))
         except BaseException:

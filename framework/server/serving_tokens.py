@@ -93,7 +93,7 @@ class TokenService:
     async def _generate(self, req: GenerateRequest, raw: Request) -> Response:
         state = self.state
         state.require_engine()
-        state.check_model(req.model)
+        lora = state.lora_for(state.check_model(req.model))
         state.check_priority(req.priority)
         req.check_sampling_fields()
         if req.stream_options is not None and not req.stream:
@@ -110,7 +110,7 @@ class TokenService:
         request_id = base_request_id(raw, req.request_id)
         gen = engine_outputs(
             state, engine_request_id(request_id), {"prompt_token_ids": list(req.token_ids)}, params,
-            num_prompt_tokens=len(req.token_ids), priority=req.priority, cache_salt=req.cache_salt,
+            num_prompt_tokens=len(req.token_ids), priority=req.priority, cache_salt=req.cache_salt, lora_request=lora,
         )
         first, gen = await prime(gen)
         text_of = TokenText(None, True)

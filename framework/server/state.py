@@ -49,6 +49,11 @@ class ServerSettings:
     #: Images requests may load besides data: URLs (framework/multimodal/media.py).
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
+    #: LoRA adapters served from the start: (name, path) pairs (--lora-modules name=path)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    #: folders runtime-loaded adapters must lie under (--allowed-lora-path); empty: the
+    #: load / unload routes are off
+    allowed_lora_paths: tuple[str, ...] = ()
     #: Where stored Responses-API responses live: a SQLite file, or None for memory.
     response_store: str | None = None
     max_stored_responses: int = 1024
@@ -69,6 +74,8 @@ class ServerSettings:
                 get_tool_parser(self.tool_call_parser, self.registry)
             if self.reasoning_parser:
                 get_reasoning_parser(self.reasoning_parser, self.registry)
+        if self.lora_modules and not all(name and path for name, path in self.lora_modules):
+            raise invalid("lora_modules", "each adapter needs a name and a path (name=path)")
         if self.max_stored_responses < 1 or self.max_stored_response_bytes < 1:
             raise invalid("max_stored_responses", "--max-stored-responses and --max-stored-response-bytes must be >= 1")
         if self.max_request_body_bytes < 1:
@@ -92,6 +99,9 @@ class ServerState:
         self._media_policy = None  # built on the first request with an image (media_policy())
         self.reasoning_parser_cls = get_reasoning_parser(settings.reasoning_parser, settings.registry) if settings.reasoning_parser else None
         self.tool_parser_cls = get_tool_parser(settings.tool_call_parser, settings.registry) if settings.tool_call_parser else None
+        #: adapter name -> LoRARequest (--lora-modules, then /v1/load_lora_adapter)
+        self.loras: dict[str, Any] = {}
+        self._lora_ids = 0
         if spec is not None:
             self._make_metrics(spec)
 
@@ -136,8 +146,26 @@ class ServerState:
                                                     self.settings.allowed_local_media_path)
         return self._media_policy
 
+    def add_lora(self, name: str, path: str, engine: Any) -> Any:
+        """Check the adapter at `path` (through the engine's front end) and serve it as `name`."""
+        from portaserve.framework.lora.request import LoRARequest
+
+        if name in self.model_names or name in self.loras:
+            raise invalid("lora_name", f"{name!r} is already served")
+        self._lora_ids += 1
+        request = LoRARequest(name, self._lora_ids, path)
+        engine.processor._check_lora(request)
+        self.loras[name] = request
+        return request
+
+    def lora_for(self, model: str) -> Any:
+        """The LoRARequest a request's (checked) model name stands for, None for the base model."""
+        return self.loras.get(model)
+
     def attach(self, engine: AsyncLLM) -> None:
         """The engine has started: routes may use it from now on."""
+        for name, path in self.settings.lora_modules:
+            self.add_lora(name, path, engine)
         self.spec = engine.spec
         self._make_metrics(self.spec)
         if self.metrics is not None:
@@ -170,8 +198,9 @@ class ServerState:
         names = self.model_names
         if model is None or model == "":
             return names[0]
-        if model not in names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(repr(n) for n in names)}", "model")
+        if model not in names and model not in self.loras:
+            served = ", ".join(repr(n) for n in [*names, *self.loras])
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}", "model")
         return model
 
     def check_priority(self, priority: int) -> None:
