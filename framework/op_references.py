@@ -70,17 +70,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 token_slots: torch.Tensor) -> torch.Tensor:
     """LoRA adapters over one linear layer, mixed in a batch (punica / S-LoRA's grouping):
-    y [t, out] plus, for each token whose slot s = token_slots[t] >= 0, x[t] A_s^T B_s^T,
-    with x [t, in], lora_a [slots, rank, in], lora_b [slots, out, rank] (the scaling
-    already folded into B) and token_slots [t] int64 (-1: no adapter). Accumulates in
-    float32, returns y's dtype."""
+    y [t, out] plus, for each token whose slot s = token_slots[t] >= 0, (x[t] A_s^T) Bt_s,
+    with x [t, in], lora_a [slots, rank, in] (PEFT's A), lora_b [slots, rank, out] (PEFT's
+    B transposed, the scaling folded in: the expansion then reads rows of outputs) and
+    token_slots [t] int64 (-1: no adapter). Accumulates in float32, returns y's dtype."""
     out = y.float()
     for slot in torch.unique(token_slots).tolist():
         if slot < 0:
             continue
         rows = (token_slots == slot).nonzero().squeeze(1)
         shrunk = x.index_select(0, rows).float() @ lora_a[slot].float().t()
-        out.index_add_(0, rows, shrunk @ lora_b[slot].float().t())
+        out.index_add_(0, rows, shrunk @ lora_b[slot].float())
     return out.to(y.dtype)
 
 
@@ -138,7 +138,7 @@ def lora_samples(device, dtype, gen):
         y = _randn(gen, tokens, d_out, dtype=dtype, device=device)
         x = _randn(gen, tokens, d_in, dtype=dtype, device=device)
         a = (0.1 * _randn(gen, slots, rank, d_in, dtype=torch.float32, device=device)).to(dtype)
-        b = (0.1 * _randn(gen, slots, d_out, rank, dtype=torch.float32, device=device)).to(dtype)
+        b = (0.1 * _randn(gen, slots, rank, d_out, dtype=torch.float32, device=device)).to(dtype)
         token_slots = torch.randint(-1, slots, (tokens,), generator=gen).to(device)
         out.append((y, x, a, b, token_slots))
     return out
@@ -169,8 +169,8 @@ BUILTIN_OP_SPECS = (
     ),
     OpSpec(
         "lora_linear",
-        "lora_linear(y: [t, out], x: [t, in], lora_a: [slots, rank, in], lora_b: [slots, out, rank], token_slots: "
-        "[t] int64, -1 for none) -> y + x A_s^T B_s^T per token's slot s (op 1.6)",
+        "lora_linear(y: [t, out], x: [t, in], lora_a: [slots, rank, in], lora_b: [slots, rank, out], token_slots: "
+        "[t] int64, -1 for none) -> y + (x A_s^T) lora_b_s per token's slot s (op 1.6)",
         lora_linear, f"{_HERE}:lora_samples", mutates_inputs=True,
     ),
 )

@@ -14,6 +14,7 @@ _FUNCTIONS = {
     "silu_and_mul": "portaserve.kernels.activation:silu_and_mul",
     "rotary_embedding": "portaserve.kernels.rotary:rotary_embedding",
     "apply_token_bitmask": "portaserve.kernels.token_bitmask:apply_token_bitmask",
+    "lora_linear": "portaserve.kernels.lora:lora_linear",
 }
 
 

@@ -15,6 +15,8 @@ Ops declared by portaserve itself (:mod:`portaserve.framework.op_references`):
 - ``fused_add_rms_norm(x, residual, weight, eps) -> (out, new_residual)``
 - ``silu_and_mul(x: [..., 2 * d]) -> [..., d]``
 - ``rotary_embedding(positions, q, k, cos_sin_cache, is_neox) -> (q, k)``
+- ``apply_token_bitmask(logits, bitmask) -> logits`` (structured outputs, 1.5)
+- ``lora_linear(y, x, lora_a, lora_b, token_slots) -> y`` (LoRA adapters, 1.6)
 
 A plugin declares a new op with ``portaserve_op_specs`` (contract 1.1) and may
 implement it, and others' ops, with ``portaserve_custom_ops``.
@@ -102,4 +104,4 @@ class OpImpl:
 #: The plan's binding name for an op that runs its reference implementation.
 REFERENCE = "reference"
 #: The ops portaserve itself declares (framework/op_references.py).
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "apply_token_bitmask")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "apply_token_bitmask", "lora_linear")

@@ -3,7 +3,8 @@ padded to `--max-lora-rank`.
 
 A fused projection (q/k/v, gate/up) stacks its parts' A matrices along the rank and keeps
 B block-diagonal, so the whole layer's term is one `lora_linear` call:
-`y += x A^T B^T`, A [parts * rank, in], B [out, parts * rank]. Tensor parallelism shards
+`y += (x A^T) B^T`, A [parts * rank, in], B^T stored as [parts * rank, out] (rows of
+outputs, what the expansion reads). Tensor parallelism shards
 like the base layer: a column-parallel layer keeps A whole and cuts B's rows as its
 weight loader cuts W's; a row-parallel layer cuts A's columns (its input is split), keeps
 B whole and adds its partial term before the all-reduce, which sums the parts.
@@ -37,7 +38,7 @@ class LinearLoRA:
         dtype, device = state.dtype, state.device
         layer.register_buffer("lora_a", torch.zeros(slots, len(self.modules) * rank, layer.input_size_per_rank,
                                                      dtype=dtype, device=device), persistent=False)
-        layer.register_buffer("lora_b", torch.zeros(slots, layer.output_size_per_rank, len(self.modules) * rank,
+        layer.register_buffer("lora_b", torch.zeros(slots, len(self.modules) * rank, layer.output_size_per_rank,
                                                      dtype=dtype, device=device), persistent=False)
         self.layer = layer
         state.layers.append(self)
@@ -61,7 +62,7 @@ class LinearLoRA:
             if self.input_slice is not None:
                 part_a = part_a[:, self.input_slice[0]: self.input_slice[0] + self.input_slice[1]]
             a[j * rank: j * rank + r].copy_(part_a)
-            b[offset: offset + rows, j * rank: j * rank + r].copy_(part_b[first: first + rows])
+            b[j * rank: j * rank + r, offset: offset + rows].copy_(part_b[first: first + rows].t())
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         slots = self.state.token_slots

@@ -47,7 +47,7 @@ def portaserve_custom_ops():
     # "c_kernels" when a C compiler is there to build them (native.py).
     from portaserve.framework.interfaces.ops import OpImpl
 
-    ops = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "apply_token_bitmask")
+    ops = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "apply_token_bitmask", "lora_linear")
     return [
         OpImpl(op=op, name="cpu_c", platforms=frozenset({"cpu"}), fn=f"portaserve.platforms.cpu.fused_ops:{op}",
                required_features=frozenset({"c_kernels"}), traceable=False)

@@ -166,3 +166,38 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     if rc != 0:
         raise RuntimeError(f"apply_token_bitmask: the C kernel rejected its arguments (code {rc})")
     return logits
+
+
+#: tokens up to which LoRA runs in C (decode steps); longer steps group their tokens by
+#: adapter and multiply with torch's (oneDNN) matmuls, where the work is matmul-sized
+LORA_C_MAX_TOKENS = 64
+
+
+def _grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  token_slots: torch.Tensor) -> torch.Tensor:
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot].t()) @ lora_b[slot])
+    return y
+
+
+def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_slots: torch.Tensor) -> torch.Tensor:
+    """LoRA adapters in C for a few tokens (lora.c: float32 accumulation, y rounded once, in
+    place), grouped torch matmuls for more."""
+    kernels = _kernels(y, x, lora_a, lora_b)
+    tokens = y.shape[0]
+    if (kernels is None or tokens > LORA_C_MAX_TOKENS or y.dim() != 2 or y.stride(-1) != 1 or x.stride(-1) != 1
+            or not lora_a.is_contiguous() or not lora_b.is_contiguous()):
+        return _grouped_lora(y, x, lora_a, lora_b, token_slots)
+    slots = token_slots.to(device="cpu", dtype=torch.int64).contiguous()
+    rank = lora_a.shape[1]
+    ws = _scratch(tokens * (x.shape[1] + rank + 2))
+    rc = kernels.lora_linear(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
+                             slots.data_ptr(), tokens, x.shape[1], y.shape[1], rank, lora_a.shape[0], _DTYPES[y.dtype],
+                             ws.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"lora_linear: the C kernel rejected its arguments (code {rc})")
+    return y

@@ -2,7 +2,8 @@
 
 `paged_decode.c` (decode attention), `fused_ops.c` (RMSNorm, SiLU-and-mul, rotary) and
 `gguf_matmul.c` / `gguf_gemm.c` (matmuls with GGUF-quantized weights: int8 dot products
-for a few rows, a bf16 small-batch GEMM for more) and `graph_replay.c` (the KV-cache
+for a few rows, a bf16 small-batch GEMM for more), `lora.c` (LoRA adapters for a few
+tokens) and `graph_replay.c` (the KV-cache
 write, and decode graphs: recorded kernel calls replayed in one call, see graphs.py) are plain C with AVX-512 paths where the compiler targets them (`-march=native`), built
 into one shared library under portaserve's cache folder (keyed by the sources, the
 compiler, the flags and the CPU, so a second start loads it at once) and called through
@@ -34,7 +35,7 @@ logger = logging.getLogger("portaserve")
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "paged_decode.c", HERE / "fused_ops.c", HERE / "gguf_matmul.c", HERE / "gguf_gemm.c",
-           HERE / "graph_replay.c")
+           HERE / "graph_replay.c", HERE / "lora.c")
 HEADERS = (HERE / "cpu_simd.h", HERE / "cpu_kernels.h", HERE / "gguf_codes.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 LIBS = ("-lm",)
@@ -59,6 +60,7 @@ _SIGNATURES = {
     "ps_rms_norm": (_I32, [_P, _I64, _P, _P, _P, _P, _I64, _I32, _F32, _I32, _P, _I32]),
     "ps_silu_and_mul": (_I32, [_P, _I64, _P, _I64, _I32, _I32, _I32]),
     "ps_apply_token_bitmask": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _I32]),
+    "ps_lora_linear": (_I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _P, _I32]),
     "ps_gguf_vnni": (_I32, []),
     "ps_gguf_matmul": (_I32, [_P, _I64, _I32, _I64, _I64, _P, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32]),
     "ps_gguf_gemm_available": (_I32, []),

@@ -171,7 +171,7 @@ def test_import_needs_no_triton():
         "import sys; sys.modules['triton'] = None\n"
         "from portaserve.kernels.triton_backend import TritonAttentionBackend\n"
         "from portaserve.kernels.ops import triton_ops\n"
-        "assert TritonAttentionBackend.supported_block_sizes and len(triton_ops(frozenset({'cuda'}))) == 5\n"
+        "assert TritonAttentionBackend.supported_block_sizes and len(triton_ops(frozenset({'cuda'}))) == 6\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -201,6 +201,20 @@ def test_triton_ops():
     for logits, bitmask in bitmask_samples(DEVICE, torch.float32, torch.Generator().manual_seed(0)):
         expected = apply_token_bitmask(logits, bitmask)
         assert torch.equal(ops["apply_token_bitmask"](logits.clone(), bitmask), expected)
+    # LoRA: the shrink / expand kernels against the torch reference (tokens without an
+    # adapter, ranks that are not a power of two, outputs that are not a multiple of the block)
+    from portaserve.framework.op_references import lora_linear, lora_samples
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for args in lora_samples(DEVICE, dtype, torch.Generator().manual_seed(1)):
+            expected = lora_linear(*[a.clone() for a in args]).float()
+            got = ops["lora_linear"](*[a.clone() for a in args]).float()
+            assert (got - expected).norm() <= tol * expected.norm(), dtype
+    y, x, a, b, _ = lora_samples(DEVICE, torch.float32, torch.Generator().manual_seed(2))[1]
+    a = torch.cat([a, a[:, :3]], dim=1)  # rank 19
+    b = torch.cat([b, b[:, :3]], dim=1)
+    slots = torch.tensor([0, -1, 2, 1, 1, -1, 0], device=DEVICE)
+    assert torch.allclose(ops["lora_linear"](y.clone(), x, a, b, slots), lora_linear(y.clone(), x, a, b, slots), atol=1e-5)
 
 
 # ----- end to end ---------------------------------------------------------------------------

@@ -265,8 +265,8 @@ def _plan(hf_config, **kw):
     return resolve_plan(EngineConfig.create(device="cpu", **kw), registry, choose_platform(registry, "cpu"), hf_config)
 
 
-C_OPS = (("apply_token_bitmask", "cpu_c"), ("fused_add_rms_norm", "cpu_c"), ("rms_norm", "cpu_c"),
-         ("rotary_embedding", "cpu_c"), ("silu_and_mul", "cpu_c"))
+C_OPS = (("apply_token_bitmask", "cpu_c"), ("fused_add_rms_norm", "cpu_c"), ("lora_linear", "cpu_c"),
+         ("rms_norm", "cpu_c"), ("rotary_embedding", "cpu_c"), ("silu_and_mul", "cpu_c"))
 REFERENCES = tuple((op, "reference") for op, _impl in C_OPS)
 
 
@@ -343,3 +343,26 @@ def test_a_read_only_cache_folder_builds_in_the_temporary_folder(fresh_loader, t
     fresh_loader.setattr(native, "_build", build)
     kernels = native.load()
     assert kernels is not None and not str(kernels.path).startswith(str(tmp_path))
+
+
+def test_lora_c_kernel_and_grouped_path_match_the_reference():
+    """lora_linear on the CPU: the C kernel (few tokens) and the grouped matmuls (more),
+    against the torch reference: tokens of one adapter not adjacent, tokens without one,
+    a rank that is no multiple of the vector width, outputs that are not a multiple of 64."""
+    from portaserve.framework.op_references import lora_linear as reference
+    from portaserve.platforms.cpu import fused_ops
+
+    if native.load() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (1, 9, 64, 100):  # 100: past LORA_C_MAX_TOKENS, the grouped path
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+            y = torch.randn(tokens, 200, generator=gen).to(dtype)
+            x = torch.randn(tokens, 72, generator=gen).to(dtype)
+            a = (0.1 * torch.randn(3, 19, 72, generator=gen)).to(dtype)
+            b = (0.1 * torch.randn(3, 19, 200, generator=gen)).to(dtype)
+            slots = torch.randint(-1, 3, (tokens,), generator=gen)
+            expected = reference(y.clone(), x, a, b, slots).float()
+            got = fused_ops.lora_linear(y.clone(), x, a, b, slots).float()
+            assert (got - expected).norm() <= tol * expected.norm(), (tokens, dtype)
+    assert fused_ops.LORA_C_MAX_TOKENS == 64
