@@ -59,8 +59,10 @@ KERNEL_IDS = {
 }
 #: entry points that only compute a size or report a feature: called as usual
 QUERIES = frozenset({"workspace_floats", "scratch_floats", "fused_workspace_floats", "gguf_vnni", "gguf_gemm_available"})
-#: entry points the sampler calls, after the recorded forward: refused should a forward call them
-OUTSIDE_FORWARD = frozenset({"apply_token_bitmask"})
+#: entry points never recorded, refused should a recorded forward call them: the sampler's
+#: mask (after the forward) and LoRA (steps that run adapters are eager: the recorded
+#: graphs are the base model's)
+OUTSIDE_FORWARD = frozenset({"apply_token_bitmask", "lora_linear"})
 MAX_ARGS = 24
 
 #: aten ops that allocate or view and compute nothing: allowed while recording

@@ -45,7 +45,7 @@ def test_resolved_plan_on_simulated_cuda_binds_triton(fake_devices, plugin_env, 
     assert {choice.name for _, choice in plan.attention} == {"triton"}
     bound = {op: impl for op, impl in plan.custom_ops if impl != "reference"}  # installed plugins may declare more ops
     assert bound == {op: "triton" for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-                                            "apply_token_bitmask")}
+                                            "apply_token_bitmask", "lora_linear")}
     assert "triton" in str(plan)
 
 

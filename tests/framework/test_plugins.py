@@ -165,12 +165,12 @@ def test_missing_module(plugins):
 @pytest.mark.parametrize(
     ("declared", "expected"),
     [
-        (None, "does not declare PORTASERVE_CONTRACT (portaserve's contract is 1.5)"),
-        ("2.0", "built for contract 2.0, but this portaserve provides contract 1.5"),
-        ("0.9", "built for contract 0.9, but this portaserve provides contract 1.5"),
-        ("1.7", "built for contract 1.7, but this portaserve provides contract 1.5"),
-        ("one", "PORTASERVE_CONTRACT 'one' is not 'major.minor' (portaserve's contract is 1.5)"),
-        ("1.0.0", "PORTASERVE_CONTRACT '1.0.0' is not 'major.minor' (portaserve's contract is 1.5)"),
+        (None, "does not declare PORTASERVE_CONTRACT (portaserve's contract is 1.6)"),
+        ("2.0", "built for contract 2.0, but this portaserve provides contract 1.6"),
+        ("0.9", "built for contract 0.9, but this portaserve provides contract 1.6"),
+        ("1.7", "built for contract 1.7, but this portaserve provides contract 1.6"),
+        ("one", "PORTASERVE_CONTRACT 'one' is not 'major.minor' (portaserve's contract is 1.6)"),
+        ("1.0.0", "PORTASERVE_CONTRACT '1.0.0' is not 'major.minor' (portaserve's contract is 1.6)"),
     ],
 )
 def test_contract_version_checked_with_both_versions_in_the_message(plugins, declared, expected):
