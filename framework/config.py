@@ -73,6 +73,9 @@ class EngineConfig(BaseModel):
         "llguidance), or a registered backend's name")
     limit_mm_per_prompt: dict[str, int] | None = Field(
         None, description="most media items per prompt by modality, as JSON: '{\"image\": 4}' (default 8 images)")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'")
     enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT format) over the base model")
     max_loras: int = Field(1, ge=1, description="LoRA adapters resident at once (slots on the device); a step "
                            "runs requests of at most this many adapters")
@@ -98,6 +101,17 @@ class EngineConfig(BaseModel):
             if not isinstance(value, dict):
                 raise ValueError("expected a JSON object such as '{\"image\": 4}'")
         return value
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        from portaserve.framework.engine.speculative import SpeculativeConfig
+
+        config = SpeculativeConfig.parse(value)  # InvalidParameterError (a ValueError) names what is wrong
+        return {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
+                "prompt_lookup_min": config.prompt_lookup_min, "prompt_lookup_max": config.prompt_lookup_max}
 
     @field_validator("max_prefill_tokens_with_decodes", mode="before")
     @classmethod

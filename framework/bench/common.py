@@ -28,6 +28,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 
 
 def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
@@ -39,7 +41,7 @@ def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_enable_prefix_caching,
     }
     for name in ("max_num_batched_tokens", "max_prefill_tokens_with_decodes", "max_model_len", "kv_cache_memory", "quantization",
-                 "compilation_mode", "attention_backend"):
+                 "compilation_mode", "attention_backend", "speculative_config"):
         value = getattr(args, name)
         if value is not None:
             kw[name] = value
@@ -80,6 +82,17 @@ def summarize(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
     return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+def speculation_summary(stats: Any) -> dict[str, Any] | None:
+    """Proposals, accepted tokens, acceptance rate and mean accepted length (tokens per
+    step of a speculating request: accepted proposals + the sampled token), or None."""
+    drafts = getattr(stats, "spec_num_drafts", 0)
+    if not drafts:
+        return None
+    proposed, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0, "mean_accepted_length": 1 + accepted / drafts}
 
 
 def emit(result: dict[str, Any], json_path: str | None) -> None:

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from portaserve import LLM, SamplingParams
 
-    from .common import emit, engine_kwargs, random_prompts, summarize
+    from .common import emit, engine_kwargs, random_prompts, speculation_summary, summarize
 
     llm = LLM(args.model, **engine_kwargs(args, args.batch_size))
     engine = llm.llm_engine
@@ -82,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
         "decode_step_s": summarize(decode_times),
         "decode_tokens_per_s": args.batch_size / summarize(decode_times)["median"] if decode_times else None,
         "engine_overhead_share": summarize(overhead_shares),
+        "speculative_decoding": speculation_summary(engine.stats()),
         "plan": str(llm.plan),
     }
     emit(result, args.json)

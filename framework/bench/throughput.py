@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from portaserve import LLM, SamplingParams
 
-    from .common import dataset_prompts, emit, engine_kwargs, random_prompts
+    from .common import dataset_prompts, emit, engine_kwargs, random_prompts, speculation_summary
 
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args, args.num_prompts))
@@ -60,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         "requests_per_s": len(outputs) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "speculative_decoding": speculation_summary(llm.llm_engine.stats()),
         "plan": str(llm.plan),
     }
     emit(result, args.json)

@@ -1,5 +1,5 @@
 """Admission and stop checks: whether a request can ever be served by a scheduler's
-engine, and whether a sampled token ends it.
+engine, and whether a sampled token ends it (and appending a step's tokens).
 
 Refused up front, with an error naming the parameter to change, rather than left to
 wait forever or to preempt its siblings endlessly: a prompt too long for the model,
@@ -11,11 +11,13 @@ together.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from portaserve.framework.errors import InvalidParameterError, invalid
 
 from .request import Request, RequestStatus
+from .scheduler_output import EngineCoreOutput
+from .speculative import next_num_drafts
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -118,3 +120,37 @@ def lora_fits(scheduler: "Scheduler", request: Request) -> bool:
     wanted = request.lora_request.lora_int_id
     running = {r.lora_request.lora_int_id for r in scheduler.running if r.lora_request is not None}
     return wanted in running or len(running) < max_loras
+
+
+def append_tokens(request: Request, runner_output: Any, rid: str, token: int, plp: Any, max_model_len: int,
+                  spec_stats: Any = None, num_drafts: int = 0) -> EngineCoreOutput:
+    """Append a step's new tokens to `request` (the accepted proposals, then the sampled
+    token), stopping at the first one that ends it, and report them. With proposals, the
+    computed tokens roll back to the accepted ones: the rejected positions are written
+    again by the next step."""
+    accepted = runner_output.accepted_token_ids.get(rid, ())
+    tokens = (*accepted, token)
+    lps = runner_output.accepted_logprobs.get(rid, ())
+    last = runner_output.logprobs.get(rid) if runner_output.logprobs else None
+    all_lps = (*lps, last) if last is not None else ()
+    finished = False
+    kept = 0
+    for t in tokens:
+        request.output_token_ids.append(t)
+        kept += 1
+        if check_stop(request, t, max_model_len):
+            finished = True
+            break
+    if spec_stats is not None:
+        spec_stats.record(num_drafts, len(accepted))
+        request.num_computed_tokens = request.num_tokens - 1
+        request.spec_k = next_num_drafts(num_drafts, len(accepted), spec_stats.max_k)
+    return EngineCoreOutput(
+        req_id=rid,
+        new_token_ids=tokens[:kept],
+        new_logprobs=all_lps[:kept] if len(all_lps) == len(tokens) else (),
+        prompt_logprobs=plp,
+        finish_reason=request.finish_reason if finished else None,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=request.num_cached_tokens,
+    )

@@ -266,7 +266,9 @@ class BlockManager:
         if state is not None and not new_computed_blocks:
             # Fast path (most decodes): the tokens fit the last block and fill none.
             num_total = request.num_computed_tokens + num_new_tokens
-            if num_total <= len(state.block_ids) * bs and (num_total // bs <= state.num_registered or not self.enable_caching):
+            # speculative proposals are scheduled past the known tokens: never hashed
+            num_known = min(num_total, request.num_tokens)
+            if num_total <= len(state.block_ids) * bs and (num_known // bs <= state.num_registered or not self.enable_caching):
                 return []
         num_held = len(state.block_ids) if state is not None else 0
         if new_computed_blocks and num_held:
@@ -293,7 +295,7 @@ class BlockManager:
         if new_blocks:
             state.block_ids.extend(new_blocks)
         if self.enable_caching:
-            num_full = num_total // bs
+            num_full = min(num_total, request.num_tokens) // bs
             if num_full > state.num_registered:
                 self._register(request, state, num_full)
         return new_blocks

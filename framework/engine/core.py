@@ -14,6 +14,7 @@ from portaserve.framework.engine.block_manager import BlockManager
 from portaserve.framework.engine.request import Request, RequestStatus
 from portaserve.framework.engine.scheduler import Scheduler
 from portaserve.framework.engine.scheduler_output import EngineCoreOutput
+from portaserve.framework.engine.speculative import SpeculativeConfig
 from portaserve.framework.engine.startup import EngineSpec, default_num_batched_tokens
 from portaserve.framework.errors import InvalidParameterError, invalid
 from portaserve.framework.executor.executor import Executor, make_executor
@@ -47,6 +48,7 @@ class EngineCore:
             block_manager=self.block_manager,
             structured=None if spec.is_pooling else StructuredOutputManager(spec, spec.plan.structured_outputs.name),
             max_loras=config.max_loras,
+            speculative=SpeculativeConfig.parse(config.speculative_config) if not spec.is_pooling else None,
         )
         self.weights_version = 0
         self.sleep_level = 0

@@ -59,6 +59,8 @@ class Request:
     grammar: Any = None
     # the LoRA adapter it runs with (framework/lora), None for the base model
     lora_request: LoRARequest | None = None
+    # speculative decoding: proposals to make next step (speculative.py adapts it)
+    spec_k: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -36,45 +36,30 @@ import bisect
 import itertools
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from portaserve.framework.errors import invalid
 
-from .admission import check_request_fits, check_siblings_fit, check_stop, lora_fits
+from .admission import append_tokens, check_request_fits, check_siblings_fit, lora_fits
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCacheManager
 from .request_queue import FcfsQueue, PriorityQueue
 from .request import Request, RequestStatus
-from .scheduler_output import CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from .scheduler_output import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput, NewRequestData,
+                               SchedulerOutput, SchedulerStats)
+from .speculative import NgramProposer, SpecStats, draft_limit
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: image embeddings the encoder may compute per step when the token budget is smaller
 MIN_ENCODER_BUDGET = 2048
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot for metrics and tests (counters are cumulative)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of usable blocks held by requests
-    num_free_blocks: int
-    num_total_blocks: int  # usable blocks (the null block excluded)
-    prefix_cache_queries: int  # tokens
-    prefix_cache_hits: int  # tokens
-    num_preemptions: int
-    num_steps: int  # non-empty steps scheduled
-    encoder_cache_misses: int = 0  # images encoded
-    encoder_cache_hits: int = 0  # image uses served by an encoding already in the cache
-
-
 class _Step:
     """What one `schedule()` call has decided so far."""
 
     __slots__ = ("budget", "prefill_budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted",
-                 "encoder_budget", "encoder_inputs")
+                 "encoder_budget", "encoder_inputs", "drafts")
 
     def __init__(self, budget: int, prefill_budget: int, encoder_budget: int = 0) -> None:
         self.budget = budget
@@ -87,6 +72,7 @@ class _Step:
         self.preempted: set[str] = set()
         self.encoder_budget = encoder_budget  # image embeddings left to encode this step
         self.encoder_inputs: list = []  # MultiModalFeatures the runner encodes this step
+        self.drafts: dict[str, tuple[int, ...]] = {}  # proposals scheduled with a decode
 
 
 class Scheduler:
@@ -107,6 +93,7 @@ class Scheduler:
         encoder_cache_size: int | None = None,
         structured: Any = None,
         max_loras: int = 1,
+        speculative: Any = None,
     ) -> None:
         if max_prefill_tokens_with_decodes is not None and (
             not isinstance(max_prefill_tokens_with_decodes, int) or max_prefill_tokens_with_decodes < 1
@@ -159,6 +146,9 @@ class Scheduler:
         self._prompt_logprobs_sent: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
+        # speculative decoding (speculative.py): proposals per decoding request and step
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative is not None else 0)
 
     # ----- requests in and out ---------------------------------------------------
 
@@ -263,6 +253,9 @@ class Scheduler:
             num_steps=self.num_steps,
             encoder_cache_misses=self.encoder_cache.num_encoded,
             encoder_cache_hits=self.encoder_cache.num_hits,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
         )
 
     # ----- scheduling ------------------------------------------------------------
@@ -304,6 +297,11 @@ class Scheduler:
             request = running[i]
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
             is_prefill = num_new > 1
+            if num_new == 1 and self.proposer is not None and request.grammar is None:
+                drafts = self._propose(request, budget - 1)
+                if drafts:
+                    step.drafts[request.request_id] = drafts
+                    num_new += len(drafts)
             if num_new > budget:
                 num_new = budget
             if is_prefill and num_new > step.prefill_budget:
@@ -324,6 +322,7 @@ class Scheduler:
                     break
                 new_blocks = allocate(request, num_new)
             if new_blocks is None:
+                step.drafts.pop(request.request_id, None)
                 break
             rid = request.request_id
             if encoder_plan is not None:
@@ -336,6 +335,10 @@ class Scheduler:
             i += 1
         step.budget = budget
         return preempted
+
+    def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
+        k = min(draft_limit(request, request.spec_k or self.proposer.k, self.max_model_len), budget)
+        return self.proposer.propose(request.prompt_token_ids + request.output_token_ids, k) if k > 0 else ()
 
     def _schedule_waiting(self, step: _Step) -> None:
         bm = self.block_manager
@@ -504,6 +507,7 @@ class Scheduler:
             free_encoder_hashes=self.encoder_cache.take_freed(),
             grammar_req_ids=grammar_ids,
             grammar_bitmask=grammar_bitmask,
+            spec_token_ids=dict(step.drafts),
         )
 
     # ----- results ---------------------------------------------------------------
@@ -516,7 +520,6 @@ class Scheduler:
             return outputs
         sampled = runner_output.sampled_token_ids
         errors = runner_output.errors
-        logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         pooled = runner_output.pooler_output
         requests = self.requests
@@ -563,20 +566,11 @@ class Scheduler:
                 self._fail(request, f"structured outputs: the grammar refused the sampled token {token}", outputs)
                 any_finished = True
                 continue
-            request.output_token_ids.append(token)
-            finished = check_stop(request, token, max_model_len)
-            lp = logprobs.get(rid) if logprobs else None
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=rid,
-                    new_token_ids=(token,),
-                    new_logprobs=(lp,) if lp is not None else (),
-                    prompt_logprobs=plp,
-                    finish_reason=request.finish_reason if finished else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            )
+            drafts = scheduler_output.spec_token_ids.get(rid)
+            out = append_tokens(request, runner_output, rid, token, plp, max_model_len, self.spec_stats if drafts else None,
+                                len(drafts) if drafts else 0)
+            outputs.append(out)
+            finished = out.finish_reason is not None
             if finished:
                 self._release(request)
                 any_finished = True

@@ -64,6 +64,8 @@ class SchedulerOutput:
     # allowed-token bitmask rows (int32 [len(ids), ceil(vocab / 32)], as bytes)
     grammar_req_ids: tuple[str, ...] = ()
     grammar_bitmask: Any = b""  # bytes, or a PendingBitmask filled while the model runs
+    # speculative decoding: req_id -> proposed tokens, scheduled after its last token
+    spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -91,6 +93,10 @@ class ModelRunnerOutput:
 
     # req_id -> sampled token id, for requests that reached the end of their known tokens
     sampled_token_ids: Mapping[str, int] = field(default_factory=dict)
+    # speculative decoding: req_id -> the proposals accepted this step, in order: the
+    # request's new tokens are these, then its sampled token (with their logprobs)
+    accepted_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    accepted_logprobs: Mapping[str, tuple[Logprobs, ...]] = field(default_factory=dict)
     logprobs: Mapping[str, Logprobs] = field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step (position i predicts token i+1)
     prompt_logprobs: Mapping[str, tuple[Logprobs, ...]] = field(default_factory=dict)
@@ -114,3 +120,24 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     pooler_output: tuple[float, ...] | None = None
     error: str | None = None  # with finish_reason "error": what failed
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for metrics and tests (counters are cumulative)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests
+    num_free_blocks: int
+    num_total_blocks: int  # usable blocks (the null block excluded)
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_steps: int  # non-empty steps scheduled
+    encoder_cache_misses: int = 0  # images encoded
+    encoder_cache_hits: int = 0  # image uses served by an encoding already in the cache
+    # speculative decoding: steps of a request with proposals, tokens proposed, accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

@@ -23,6 +23,7 @@ from portaserve.framework.executor.input_batch import ModelInputs, RequestState,
 from portaserve.framework.executor.model_builder import build_model
 from portaserve.framework.executor.sampler import Sampler, compute_prompt_logprobs
 from portaserve.framework.executor.sampling_state import SamplingState
+from portaserve.framework.executor.speculation import decode_rows, verify
 from portaserve.framework.interfaces import Communicator, KVCacheAllocator, Platform
 from portaserve.framework.layer_context import LayerContext, StepContext
 from portaserve.framework.lora.manager import LoRAManager, LoRAState
@@ -216,6 +217,8 @@ class ModelRunner:
         if sched.scheduled_encoder_inputs:
             self._run_encoder(sched.scheduled_encoder_inputs)
         self._grammar = (sched.grammar_req_ids, sched.grammar_bitmask)
+        for req_id, drafts in sched.spec_token_ids.items():  # verified in this step (speculation.py)
+            self.requests[req_id].token_ids.extend(drafts)
         inputs = self._prepare_inputs(sched)
         hidden = self._run_model(inputs)
         for state, n in zip(inputs.states, inputs.query_lens.tolist()):
@@ -223,6 +226,8 @@ class ModelRunner:
         if self.spec.is_pooling:
             return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
         prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)
+        if sched.spec_token_ids:
+            return verify(self, inputs, hidden, prompt_logprobs, sched.spec_token_ids)
         return self._sample(inputs, hidden, prompt_logprobs)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
@@ -230,9 +235,13 @@ class ModelRunner:
         attention backend's metadata built once."""
         req_ids = tuple(sched.req_ids())
         states = tuple(self.requests[r] for r in req_ids)
-        host = build_inputs(
-            states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, with_kv_cache=bool(self.kv_caches)
-        )
+        counts = [sched.num_scheduled_tokens[r] for r in req_ids]
+        if sched.spec_token_ids:
+            # a request's last token and its proposals attend as that many one-token queries
+            # (speculation.py): each row runs the decode path it would run without speculation
+            host = decode_rows(states, counts, sched.spec_token_ids, self.block_size, bool(self.kv_caches))
+        else:
+            host = build_inputs(states, counts, self.block_size, with_kv_cache=bool(self.kv_caches))
         rope_3d, positions = self._rope_positions(states, host.positions, host.query_start_loc)
         # a step the forward replays from a captured graph is padded to its static shape first
         batch, input_ids, positions = self._forward().prepare(host.batch, host.input_ids, positions)

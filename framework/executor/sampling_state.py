@@ -227,6 +227,12 @@ class SamplingState:
         """Record the token sampled for a request this step."""
         self._rows[req_id].outputs.append(token_id)
 
+    def history_free_greedy(self, req_id: str) -> bool:
+        """Whether the request's next tokens are each the argmax of logits its own outputs
+        do not edit (greedy; no penalties, logits processors or min_tokens left)."""
+        row = self._rows[req_id]
+        return row.greedy and not row.has_penalties and not row.processors and row.outputs.size >= row.min_tokens
+
     def remove_request(self, req_id: str) -> None:
         """Forget a finished, aborted or preempted request (no-op if unknown)."""
         self._rows.pop(req_id, None)

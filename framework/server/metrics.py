@@ -87,6 +87,10 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
                                LATENCY_BUCKETS)
         # LoRA adapters: requests per adapter, and the workers' loads / evictions / residents
+        # speculative decoding (cumulative, from the engine's SchedulerStats)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Steps of a request that verified proposals.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
         self.lora_requests = counter("lora_requests", "Requests per LoRA adapter.", lab + ["lora_name"])
         self.lora_loads = gauge("lora_loads", "LoRA adapters written into a slot since start (cumulative).")
         self.lora_evictions = gauge("lora_evictions", "LoRA adapters evicted from their slot since start (cumulative).")
@@ -100,7 +104,8 @@ class ServerMetrics:
             g.labels(model_name).set(0)
         for c in (self.encoder_hits, self.encoder_misses):
             c.labels(model_name)  # exported as 0 from the start
-        self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0, "encoder_hits": 0, "encoder_misses": 0}
+        self._last: dict[str, int] = {"queries": 0, "hits": 0, "preemptions": 0, "encoder_hits": 0, "encoder_misses": 0,
+                                      "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted": 0}
         self._children: dict[str, _Tracked] = {}
         self._parents: dict[str, _Parent] = {}
         self._last_step_end: float | None = None
@@ -121,6 +126,9 @@ class ServerMetrics:
             ("preemptions", self.preemptions, stats.num_preemptions),
             ("encoder_hits", self.encoder_hits, getattr(stats, "encoder_cache_hits", 0)),
             ("encoder_misses", self.encoder_misses, getattr(stats, "encoder_cache_misses", 0)),
+            ("spec_drafts", self.spec_drafts, getattr(stats, "spec_num_drafts", 0)),
+            ("spec_draft_tokens", self.spec_draft_tokens, getattr(stats, "spec_num_draft_tokens", 0)),
+            ("spec_accepted", self.spec_accepted, getattr(stats, "spec_num_accepted_tokens", 0)),
         ):
             delta = value - self._last[key]
             if delta > 0:

@@ -17,7 +17,7 @@ matmuls (`benchmarks/gguf_kernels.py`, Q4_1, ms per layer):
 | 128 | 6.49 | 3.12 | 3.68 |
 | 512 | 26.1 | 11.8 | 10.4 |
 
-so bf16 activations take the int8 dot products below `GEMM_ROWS` (4) rows, the
+so bf16 activations take the int8 dot products below `GEMM_ROWS` (6) rows, the
 small-batch GEMM (4 weight rows expanded at a time in L1, AVX512-BF16) below
 `DEQUANTIZE_ROWS` (192), and beyond that (prompts) the weight expanded once per call to
 bf16 (ps_gguf_dequantize) and oneDNN's GEMM. float32 activations, or a CPU without
@@ -38,8 +38,11 @@ from portaserve.framework.quantization.gguf_layout import PackedGGUF
 from . import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-#: rows of bf16 x from which the small-batch GEMM (gguf_gemm.c) replaces the int8 dot products
-GEMM_ROWS = 4
+#: rows of bf16 x from which the small-batch GEMM (gguf_gemm.c) replaces the int8 dot products:
+#: the two cost the same from 4 to 5 rows (BENCHMARKS.md), and speculative decoding's
+#: verification of 4 proposals (5 rows of one sequence) then takes the dot products like
+#: a decode, so its rows' numbers equal the decode's (token-identical outputs)
+GEMM_ROWS = 6
 #: rows of x from which a matmul dequantizes the weight and runs the platform's GEMM
 DEQUANTIZE_ROWS = 192
 #: the same without the small-batch GEMM (float32 x, or no AVX512-BF16)

@@ -1,0 +1,130 @@
+"""Speculative decoding, the scheduler's side: proposals, and their bookkeeping.
+
+Config in vLLM's shape (`--speculative-config '{"method": "ngram", "num_speculative_tokens":
+4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'`): `SpeculativeConfig.parse`.
+
+Each step, a running request that is decoding gets up to `num_speculative_tokens`
+proposed tokens (`NgramProposer`: prompt lookup, no extra model). The scheduler
+schedules them with the request's last token, so one forward pass of the target model
+computes every position; the runner then samples position after position exactly as
+without speculation (same sampling parameters, penalties and seeded draws) and keeps a
+proposal only while it equals the token sampled at its position. The output is 1 to
+k + 1 tokens per step, token-identical to decoding without speculation for greedy and
+seeded requests, and distributed exactly as without it otherwise: with a proposal that
+is one token (not a distribution), rejection sampling accepts it with probability p(d)
+and, on rejection, draws from p without d, which is what drawing x ~ p and comparing it
+with d does (see executor/speculation.py).
+
+KV slots: the proposals' positions are allocated with the step; after it, the request's
+computed tokens roll back to its accepted ones (`rollback`), so the rejected positions'
+slots are written again by the next step. Proposals are never hashed into the prefix
+cache (block_manager.py hashes known tokens only).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from portaserve.framework.errors import invalid
+
+from .request import Request
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculativeConfig | None":
+        """From the flag's JSON text or a dict (vLLM's key names); None stays None."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise invalid("speculative_config", f"not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise invalid("speculative_config", "must be a JSON object such as "
+                                                '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise invalid("speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
+        if "model" in value:
+            raise invalid("speculative_config", "draft models ('model') are not supported yet; use "
+                                                "method 'ngram'")
+        method = value.get("method", "ngram")
+        if method not in METHODS:
+            raise invalid("speculative_config", f"method {method!r}; supported: {', '.join(METHODS)}")
+        k = value.get("num_speculative_tokens", 4)
+        lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", value.get("prompt_lookup_min", 4))
+        for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+                raise invalid("speculative_config", f"{name} must be an integer in [1, 64], got {v!r}")
+        if lo > hi:
+            raise invalid("speculative_config", f"prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+        return cls(method, k, lo, hi)
+
+
+class NgramProposer:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the sequence's
+    last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
+        if k <= 0 or len(tokens) <= self.min_n:
+            return ()
+        seq = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            pattern = seq[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the token after the latest earlier match
+                return tuple(seq[start:start + k].tolist())
+        return ()
+
+
+def draft_limit(request: Request, k: int, max_model_len: int) -> int:
+    """Proposals worth scheduling: none past max_tokens or the context (a token sampled
+    after the last allowed one would be thrown away)."""
+    left_output = request.max_tokens - len(request.output_token_ids) - 1
+    left_context = max_model_len - request.num_tokens - 1
+    return max(0, min(k, left_output, left_context))
+
+
+def next_num_drafts(proposed: int, accepted: int, max_k: int) -> int:
+    """How many tokens to propose for a request next step: all of them again after a step
+    that accepted all, else one more than were accepted. Verifying a proposal costs a
+    row of the forward pass, and a request whose proposals keep failing (free text that
+    only looks like its context) then pays for one row, not k."""
+    return max_k if accepted >= proposed else min(max_k, accepted + 1)
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counters for metrics: steps with proposals, proposed and accepted tokens."""
+
+    max_k: int = 4
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
