@@ -213,3 +213,21 @@ def test_unseeded_sampling_keeps_the_target_distribution(checkpoint, monkeypatch
     assert chi_square_p(base, fair) > 1e-3
     biased = _token_counts(spec, 3000, True, monkeypatch)
     assert chi_square_p(base, biased) < 1e-3
+
+
+@pytest.mark.slow
+def test_the_default_model_gives_the_same_text(smollm2_gguf):
+    """SmolLM2-135M-Instruct (Q4_1, bfloat16 activations): repeating a code snippet,
+    greedy and seeded, token-identical with n-gram speculation, which accepts often."""
+    code = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n" \
+           "    return 2 * (width + height)\n"
+    messages = [{"role": "user", "content": "Repeat this Python code exactly, without changes:\n\n" + code}]
+    plain = LLM(str(smollm2_gguf), max_model_len=1024)
+    spec = LLM(str(smollm2_gguf), max_model_len=1024, speculative_config=NGRAM)
+    for params in (SamplingParams(max_tokens=60, temperature=0),
+                   SamplingParams(max_tokens=60, temperature=0.3, seed=5)):
+        a = plain.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        b = spec.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        assert list(a.token_ids) == list(b.token_ids) and "perimeter" in a.text, params
+    stats = spec.llm_engine.stats()
+    assert 0.3 * stats.spec_num_draft_tokens <= stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
