@@ -245,6 +245,12 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     qwen25 = False
 
     @classmethod
+    def lora_modules(cls, hf_config):
+        # not yet: adapters name the language model's modules in two layouts here, and the
+        # vision tower has projections of the same names
+        return None
+
+    @classmethod
     def decoder_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         text = _text_config(hf_config)
         layer_types, window = windowed_layer_types(text)

@@ -231,11 +231,18 @@ class RequestDetokenizer:
         ids = list(new_token_ids)
         silent = ids.pop() if stop_terminated and not self.include_stop_str_in_output else None
         matched = None
-        for token_id in ids:
+        #: of this call's ids, how many precede the stop string's end (several ids arrive at
+        #: once with speculative decoding: the ones after the match are not output)
+        self.stop_cut = None
+        for i, token_id in enumerate(ids):
+            if self._stops.matched is not None:
+                break
             self.token_ids.append(token_id)
-            if self._stops.matched is None:
-                text = self._detok.add(token_id) if self._detok is not None else ""
-                matched = self._stops.add(text) or matched
+            text = self._detok.add(token_id) if self._detok is not None else ""
+            matched = self._stops.add(text) or matched
+            if matched is not None:
+                self.stop_cut = i + 1
+                return matched
         if silent is not None:
             self.token_ids.append(silent)
         return matched

@@ -182,10 +182,20 @@ class OutputProcessor:
             if child.detok is not None:
                 stop_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
                 matched = child.detok.update(new_ids, stop_terminated=stop_token)
-                if matched is not None and out.finish_reason is None:
+                cut = getattr(child.detok, "stop_cut", None)
+                if matched is not None and cut is not None and cut < len(new_ids):
+                    # tokens after the stop string (a speculative step's) are not output
+                    extra = len(new_ids) - cut
+                    del child.token_ids[-extra:]
+                    if child.logprobs is not None and len(child.logprobs) >= extra and out.new_logprobs:
+                        for lp in out.new_logprobs[cut:]:
+                            child.cumulative_logprob -= lp.logprob
+                        del child.logprobs[-extra:]
+                    metrics.num_generation_tokens -= extra
+                if matched is not None and (out.finish_reason is None or cut is not None and cut < len(new_ids)):
                     child.finish_reason = "stop"
                     child.stop_reason = matched
-                    stopped_by_string = True
+                    stopped_by_string = out.finish_reason is None  # else the core has finished it
         if out.finish_reason is not None and child.finish_reason is None:
             child.finish_reason = out.finish_reason
             child.stop_reason = out.stop_reason

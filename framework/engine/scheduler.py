@@ -352,7 +352,7 @@ class Scheduler:
                     continue
                 break
             if request.lora_request is not None and not lora_fits(self, request):
-                break
+                break  # FCFS: it waits for an adapter slot, and keeps its place
             hit_blocks, num_hit = bm.get_computed_blocks(request, record_stats=False)
             num_new = request.num_tokens - num_hit
             if num_new > min(step.budget, step.prefill_budget) and not self._can_chunk(request, num_new):
@@ -409,7 +409,7 @@ class Scheduler:
             if rid in step.num_scheduled:
                 returned = step.num_scheduled.pop(rid)
                 step.budget += returned
-                if returned > 1:
+                if returned > 1 and step.drafts.pop(rid, None) is None:
                     step.prefill_budget += returned
                 step.new_blocks.pop(rid, None)
             self.running.remove(victim)

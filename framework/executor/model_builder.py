@@ -53,7 +53,13 @@ def build_model(
     arch_cls = plan.model_class(registry)
     ctx = LayerContext.from_plan(plan, registry, device, tp_rank, tp_size, communicator)
     if lora is not None:
+        modules = arch_cls.lora_modules(hf_config)
+        if modules is None:
+            from portaserve.framework.errors import UnsupportedError
+
+            raise UnsupportedError(f"enable_lora: {arch_cls.__name__} takes no LoRA adapters")
         lora.bind(ctx)
+        lora.modules = frozenset(modules)
         ctx.lora = lora
     start, rss_before = time.perf_counter(), _resident_bytes()
     # Parameters are allocated where they will live; no CPU staging copy of the model.

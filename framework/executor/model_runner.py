@@ -11,6 +11,7 @@ the device kind: the platform, backends and allocator come from the ExecutionPla
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import numpy as np
@@ -88,6 +89,7 @@ class ModelRunner:
         # LoRA adapters (framework/lora): the layers' shared state and the slot manager
         self.lora_state = LoRAState(spec.config.max_loras, spec.config.max_lora_rank) if spec.config.enable_lora else None
         self.lora = None
+        self._lora_errors: dict[str, str] = {}  # this step's requests whose adapter failed to load
 
     # ----- setup -----------------------------------------------------------------------
 
@@ -214,6 +216,8 @@ class ModelRunner:
             self.encoder_cache.pop(key, None)
         if sched.is_empty:
             return ModelRunnerOutput()
+        if self.lora_state is not None:
+            self.lora_state.token_slots = None  # a vision tower never runs adapters
         if sched.scheduled_encoder_inputs:
             self._run_encoder(sched.scheduled_encoder_inputs)
         self._grammar = (sched.grammar_req_ids, sched.grammar_bitmask)
@@ -227,8 +231,14 @@ class ModelRunner:
             return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
         prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)
         if sched.spec_token_ids:
-            return verify(self, inputs, hidden, prompt_logprobs, sched.spec_token_ids)
-        return self._sample(inputs, hidden, prompt_logprobs)
+            out = verify(self, inputs, hidden, prompt_logprobs, sched.spec_token_ids)
+        else:
+            out = self._sample(inputs, hidden, prompt_logprobs)
+        if self._lora_errors:  # they ran on the base weights: their tokens are not output
+            errors, self._lora_errors = {**out.errors, **self._lora_errors}, {}
+            out = dataclasses.replace(out, errors=errors,
+                                      sampled_token_ids={r: t for r, t in out.sampled_token_ids.items() if r not in errors})
+        return out
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
         """The step's inputs on the device, padded as the forward replays them, with every
@@ -337,10 +347,12 @@ class ModelRunner:
         self.lora_state.token_slots = None
         if not any(s.lora_id for s in states):
             return
-        slot_of = self.lora.activate(s.lora_id for s in states)
+        slot_of, failures = self.lora.activate(s.lora_id for s in states)
         slots = torch.full((num_rows,), -1, dtype=torch.int64)
         for state, lo, hi in zip(states, query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()):
-            if state.lora_id:
+            if state.lora_id in failures:
+                self._lora_errors[state.req_id] = failures[state.lora_id]
+            elif state.lora_id:
                 slots[lo:hi] = slot_of[state.lora_id]
         self.lora_state.token_slots = slots.to(self.device)
 

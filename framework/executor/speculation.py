@@ -81,7 +81,9 @@ def verify(runner: Any, inputs: Any, hidden: torch.Tensor, prompt_logprobs: dict
         ids = [states[i].req_id for i in active]
         index = torch.as_tensor([offsets[i] + j for i, j in zip(active, positions)], device=logits_all.device)
         logits = logits_all.index_select(0, index)
-        if runner._grammar[0] and not any(positions):
+        if runner._grammar[0]:
+            # requests under a grammar never have proposals: they only sample position 0,
+            # and every other row gets an all-allowed mask row
             logits = runner._mask_logits(logits, ids)
         out = runner.sampler(logits, runner.sampling.make_metadata(ids, logits.device))
         sampled = out.sampled_token_ids

@@ -39,6 +39,8 @@ class LoRAState:
         self.op: Callable | None = None
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
+        #: the architecture's adaptable modules (ModelArchitecture.lora_modules); None: any
+        self.modules: frozenset[str] | None = None
 
     def bind(self, ctx: Any) -> None:
         """Take the op, dtype and device of the model being built (its LayerContext)."""
@@ -89,34 +91,44 @@ class LoRAManager:
             raise LoRALoadError(f"adapter id {lora_id} is not known to this worker")
         adapter = load_peft_adapter(request.lora_name, lora_id, request.lora_path, self.state.max_rank, self._shapes)
         self._host[lora_id] = adapter
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        # least recently used first, but never an adapter resident in a slot
+        for old in [i for i in self._host if i not in self._lru and i != lora_id]:
+            if len(self._host) <= self.max_cpu_loras:
+                break
+            del self._host[old]
         return adapter
 
     def validate(self, request: LoRARequest) -> None:
         """Read and check an adapter (a load error names the tensor); nothing is changed."""
         load_peft_adapter(request.lora_name, request.lora_int_id, request.lora_path, self.state.max_rank, self._shapes)
 
-    def activate(self, lora_ids: Iterable[int]) -> dict[int, int]:
-        """Make the adapters of a step resident: adapter id -> slot."""
+    def activate(self, lora_ids: Iterable[int]) -> tuple[dict[int, int], dict[int, str]]:
+        """Make the adapters of a step resident: (adapter id -> slot, adapter id -> why it
+        could not be loaded: its files changed or went since the front end checked them;
+        its requests fail, the others run)."""
         wanted = list(dict.fromkeys(i for i in lora_ids if i))
         if len(wanted) > self.state.max_loras:
             raise RuntimeError(f"a step needs {len(wanted)} adapters; --max-loras is {self.state.max_loras}")
-        mapping = {}
+        mapping: dict[int, int] = {}
+        failures: dict[int, str] = {}
         for lora_id in wanted:
             if lora_id in self._lru:
                 self._lru.move_to_end(lora_id)
                 mapping[lora_id] = self._slots.index(lora_id)
                 continue
-            adapter = self._host_copy(lora_id)
-            slot = self._free_slot(set(wanted))
+            slot = self._free_slot(set(wanted))  # first: an adapter leaving its slot may leave the host too
+            try:
+                adapter = self._host_copy(lora_id)
+            except Exception as exc:  # noqa: BLE001 - any read error fails the adapter's requests alone
+                failures[lora_id] = f"the LoRA adapter could not be loaded: {exc}"
+                continue
             for layer in self.state.layers:
                 layer.set_slot(slot, adapter.weights)
             self._slots[slot] = lora_id
             self._lru[lora_id] = None
             self.num_loads += 1
             mapping[lora_id] = slot
-        return mapping
+        return mapping, failures
 
     def _free_slot(self, keep: set[int]) -> int:
         if None in self._slots:

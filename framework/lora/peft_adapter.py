@@ -52,9 +52,12 @@ def _config(folder: Path) -> dict:
         raise LoRALoadError(f"{folder}: no adapter_config.json (a PEFT adapter folder holds adapter_config.json "
                             "and adapter_model.safetensors)")
     try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
+        config = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
         raise LoRALoadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LoRALoadError(f"{path}: must hold a JSON object")
+    return config
 
 
 def check_config(config: dict, where: str, max_rank: int) -> tuple[int, float]:
@@ -71,10 +74,12 @@ def check_config(config: dict, where: str, max_rank: int) -> tuple[int, float]:
         raise LoRALoadError(f"{where}: LoRA biases (bias={config['bias']!r}) are not supported")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoRALoadError(f"{where}: per-module ranks or alphas (rank_pattern / alpha_pattern) are not supported")
-    rank = int(config.get("r", 8))
+    rank, alpha = config.get("r", 8), config.get("lora_alpha", config.get("r", 8))
+    if not isinstance(rank, int) or isinstance(rank, bool) or not isinstance(alpha, (int, float)):
+        raise LoRALoadError(f"{where}: r must be an integer and lora_alpha a number, got {rank!r} and {alpha!r}")
     if not 1 <= rank <= max_rank:
         raise LoRALoadError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = float(alpha)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, scaling
 
@@ -93,7 +98,10 @@ def load_peft_adapter(name: str, int_id: int, path: str, max_rank: int,
         raise LoRALoadError(f"{where}: no adapter_model.safetensors (.bin pickles are not loaded)")
     from safetensors.torch import load_file
 
-    tensors = load_file(str(weights_file))
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file
+        raise LoRALoadError(f"{where}: adapter_model.safetensors cannot be read ({exc})") from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -117,7 +125,8 @@ def load_peft_adapter(name: str, int_id: int, path: str, max_rank: int,
         if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
             raise LoRALoadError(f"{where}: {module}.lora_A / lora_B have shapes {tuple(a.shape)} / {tuple(b.shape)}, "
                                 f"expected ({rank}, {d_in}) / ({d_out}, {rank}) for this model and rank {rank}")
-        weights[module] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        # copies: safetensors maps the file, and a file replaced under a mapping faults
+        weights[module] = (a.to(torch.float32, copy=True).contiguous(), (b.float() * scaling).contiguous())
     if not weights:
         raise LoRALoadError(f"{where}: holds no LoRA weights")
     return LoRAAdapter(name, int_id, rank, weights)

@@ -237,7 +237,7 @@ def create_app(
         return ModelList(data=cards, first_id=cards[0].id if cards else None,
                          last_id=cards[-1].id if cards else None).model_dump(mode="json")
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         for card in model_cards():
             if card.id == model_id:

@@ -105,14 +105,18 @@ class SqliteResponseStore(ResponseStore):
             return
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-            self._db.execute("INSERT INTO responses (id, owner, response, items, size) VALUES (?, ?, ?, ?, ?)",
-                             (response_id, owner, response, items, size))
-            count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
-            while count > self.max_responses or total > self.max_bytes:
-                seq, old = self._db.execute("SELECT seq, size FROM responses ORDER BY seq LIMIT 1").fetchone()
-                self._db.execute("DELETE FROM responses WHERE seq = ?", (seq,))
-                count, total = count - 1, total - old
+            try:
+                self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+                self._db.execute("INSERT INTO responses (id, owner, response, items, size) VALUES (?, ?, ?, ?, ?)",
+                                 (response_id, owner, response, items, size))
+                count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+                while count > self.max_responses or total > self.max_bytes:
+                    seq, old = self._db.execute("SELECT seq, size FROM responses ORDER BY seq LIMIT 1").fetchone()
+                    self._db.execute("DELETE FROM responses WHERE seq = ?", (seq,))
+                    count, total = count - 1, total - old
+            except BaseException:
+                self._db.execute("ROLLBACK")  # the next put starts a fresh transaction
+                raise
             self._db.execute("COMMIT")
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -172,8 +172,13 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], headers: dict | None = None) -> None:
+    def __init__(self, content: AsyncIterator[str], headers: dict | None = None,
+                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+        """:param on_close: awaited once the response is done, also when the body never
+            started (a client gone before the first byte: the generator's own `finally`
+            then never runs)."""
         super().__init__(content, media_type=self.media_type, headers={"Cache-Control": "no-cache", **(headers or {})})
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -182,6 +187,8 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                await self.on_close()
 
 
 def sse(data: Any) -> str:

@@ -124,10 +124,21 @@ class MessagesService:
         plan = await self._plan(req, raw)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         if req.max_tokens == 0:  # the API's cache pre-warming: the prompt is checked, nothing generated
-            plan.params.max_tokens = 1
+            empty = {"id": message_id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+                     "stop_reason": "max_tokens", "stop_sequence": None, "usage": usage_of(len(plan.prompt_ids), 0, 0)}
+            if not req.stream:
+                return JSONResponse(empty)
+
+            async def events() -> AsyncIterator[str]:
+                yield sse_event({"type": "message_start", "message": {**empty, "stop_reason": None}})
+                yield sse_event({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                 "usage": empty["usage"]})
+                yield sse_event({"type": "message_stop"})
+
+            return SSEResponse(events())
         first, gen = await prime(self.chat.submit(plan))
         if req.stream:
-            return SSEResponse(self._stream(plan, message_id, first, gen))
+            return SSEResponse(self._stream(plan, message_id, first, gen), on_close=gen.aclose)
         final = first
         async for out in gen:
             final = out

@@ -246,7 +246,11 @@ class ResponsesService:
             self._release(run)
             raise
         if req.stream:
-            return SSEResponse(self._stream(run, first, gen))
+            async def close() -> None:
+                await gen.aclose()
+                self._release(run)
+
+            return SSEResponse(self._stream(run, first, gen), on_close=close)
         try:
             text = []
             async for out in _until_cancelled(first, gen, run.cancelled):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,7 @@ class ServerState:
         #: adapter name -> LoRARequest (--lora-modules, then /v1/load_lora_adapter)
         self.loras: dict[str, Any] = {}
         self._lora_ids = 0
+        self._lora_lock = threading.Lock()
         if spec is not None:
             self._make_metrics(spec)
 
@@ -150,13 +152,14 @@ class ServerState:
         """Check the adapter at `path` (through the engine's front end) and serve it as `name`."""
         from portaserve.framework.lora.request import LoRARequest
 
-        if name in self.model_names or name in self.loras:
-            raise invalid("lora_name", f"{name!r} is already served")
-        self._lora_ids += 1
-        request = LoRARequest(name, self._lora_ids, path)
-        engine.processor._check_lora(request)
-        self.loras[name] = request
-        return request
+        with self._lora_lock:  # loads run on worker threads: one name, one id at a time
+            if name in self.model_names or name in self.loras:
+                raise invalid("lora_name", f"{name!r} is already served")
+            self._lora_ids += 1
+            request = LoRARequest(name, self._lora_ids, path)
+            engine.processor._check_lora(request)
+            self.loras[name] = request
+            return request
 
     def lora_for(self, model: str) -> Any:
         """The LoRARequest a request's (checked) model name stands for, None for the base model."""

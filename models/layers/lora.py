@@ -72,7 +72,12 @@ class LinearLoRA:
 
 
 def attach(layer, state) -> LinearLoRA | None:
-    """LoRA slots for `layer` when the engine serves adapters and the layer takes them."""
+    """LoRA slots for `layer` when the engine serves adapters and the layer takes them:
+    a projection of the architecture's `lora_modules` (a vision tower's are not)."""
     if state is None or layer.prefix.rpartition(".")[2] not in TARGETS:
+        return None
+    head, _, leaf = layer.prefix.rpartition(".")
+    if state.modules is not None and not any(f"{head}.{part}" in state.modules
+                                             for part in FUSED_PARTS.get(leaf, (leaf,))):
         return None
     return LinearLoRA(layer, state, layer.lora_slices(), layer.lora_input_slice())

@@ -189,12 +189,16 @@ def lora_linear(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     place), grouped torch matmuls for more."""
     kernels = _kernels(y, x, lora_a, lora_b)
     tokens = y.shape[0]
+    if (x.shape[-1] != lora_a.shape[-1] or y.shape[-1] != lora_b.shape[-1] or lora_a.shape[:2] != lora_b.shape[:2]
+            or token_slots.shape != (tokens,)):
+        raise ValueError(f"lora_linear: shapes y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, "
+                         f"lora_b {tuple(lora_b.shape)}, token_slots {tuple(token_slots.shape)} do not fit together")
     if (kernels is None or tokens > LORA_C_MAX_TOKENS or y.dim() != 2 or y.stride(-1) != 1 or x.stride(-1) != 1
             or not lora_a.is_contiguous() or not lora_b.is_contiguous()):
         return _grouped_lora(y, x, lora_a, lora_b, token_slots)
     slots = token_slots.to(device="cpu", dtype=torch.int64).contiguous()
     rank = lora_a.shape[1]
-    ws = _scratch(tokens * (x.shape[1] + rank + 2))
+    ws = _scratch(tokens * (x.shape[1] + rank + 2) + 1)
     rc = kernels.lora_linear(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
                              slots.data_ptr(), tokens, x.shape[1], y.shape[1], rank, lora_a.shape[0], _DTYPES[y.dtype],
                              ws.data_ptr(), torch.get_num_threads())

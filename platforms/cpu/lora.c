@@ -47,7 +47,7 @@ static inline void store_one(void *p, int64_t i, float v, int dtype) {
 
 /* y [tokens, d_out] (rows y_stride elements apart), x [tokens, d_in] (x_stride apart),
  * a [slots, rank, d_in], bt [slots, rank, d_out] contiguous; slots [tokens] (-1: none).
- * scratch: tokens * (d_in + rank + 1) floats. */
+ * scratch: tokens * (d_in + rank + 2) + 1 floats (8-byte aligned). */
 int ps_lora_linear(void *y, int64_t y_stride, const void *x, int64_t x_stride, const void *a, const void *bt,
                    const int64_t *slots, int64_t tokens, int64_t d_in, int64_t d_out, int64_t rank, int64_t num_slots,
                    int dtype, float *scratch, int num_threads) {
@@ -57,8 +57,10 @@ int ps_lora_linear(void *y, int64_t y_stride, const void *x, int64_t x_stride, c
         if (slots[t] >= num_slots) return -2;
     int es = dtype == PS_F32 ? 4 : 2;
     float *xs = scratch, *shrunk = scratch + tokens * d_in;
-    /* the tokens ordered by slot, cut into groups of <= GROUP tokens of one slot */
-    int64_t *order = (int64_t *)(shrunk + tokens * rank), n = 0;
+    /* the tokens ordered by slot, cut into groups of <= GROUP tokens of one slot; the
+     * int64 order starts on an 8-byte boundary of the scratch */
+    int64_t order_at = tokens * (d_in + rank);
+    int64_t *order = (int64_t *)(scratch + order_at + (order_at & 1)), n = 0;
     int64_t group_start[tokens + 1], num_groups = 0;
     for (int64_t s = 0; s < num_slots; s++) {
         int64_t run = 0;

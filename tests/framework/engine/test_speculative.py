@@ -231,3 +231,47 @@ def test_the_default_model_gives_the_same_text(smollm2_gguf):
         assert list(a.token_ids) == list(b.token_ids) and "perimeter" in a.text, params
     stats = spec.llm_engine.stats()
     assert 0.3 * stats.spec_num_draft_tokens <= stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+@pytest.mark.slow
+def test_structured_outputs_and_priority_preemption_beside_proposals(folder):
+    """A request under a grammar (never speculating) keeps its mask in a step whose other
+    requests verify proposals; a priority preemption of a request scheduled with proposals
+    this step drops them too."""
+    from portaserve.framework.structured.params import StructuredOutputsParams
+
+    prompts = repetitive_prompts(4, seed=5)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(
+        regex="(yes|no), [0-9]{3}"))
+    plain = LLM(folder, dtype="float32", block_size=16)
+    spec = LLM(folder, dtype="float32", block_size=16, speculative_config=NGRAM)
+    params = [greedy, constrained, greedy, greedy]
+    want, got = run(plain, prompts, params), run(spec, prompts, params)
+    assert ids(got) == ids(want)
+    assert got[1].outputs[0].finish_reason == "stop" and got[1].outputs[0].text[:2] in ("ye", "no")
+    # priority: later requests are more urgent and preempt running ones (two sequences at most)
+    kw = dict(dtype="float32", block_size=16, max_num_seqs=2, scheduling_policy="priority")
+    prio_plain, prio_spec = LLM(folder, **kw), LLM(folder, speculative_config=NGRAM, **kw)
+    order = list(range(len(prompts)))[::-1]
+    a = prio_plain.generate(prompts, greedy, priority=order, use_tqdm=False)
+    b = prio_spec.generate(prompts, greedy, priority=order, use_tqdm=False)
+    assert ids(a) == ids(b)
+
+
+@pytest.mark.slow
+def test_a_stop_string_inside_accepted_proposals_cuts_the_tokens_too(checkpoint):
+    """With several tokens per step, the tokens after a stop string are not output: the
+    token ids, their count in usage and the logprobs end where the text does."""
+    text_folder = checkpoint("Qwen2ForCausalLM")
+    plain = LLM(text_folder, dtype="float32")
+    spec = LLM(text_folder, dtype="float32", speculative_config=NGRAM)
+    prompt = [{"prompt_token_ids": [900, 901, 902, 900, 901, 902, 900, 901]}]
+    probe = run(spec, prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert spec.llm_engine.stats().spec_num_accepted_tokens > 3
+    for cut in (5, 11, 17):
+        stop = probe.text[cut:cut + 2]
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], logprobs=1)
+        a, b = run(plain, prompt, params)[0].outputs[0], run(spec, prompt, params)[0].outputs[0]
+        assert (b.text, list(b.token_ids), b.finish_reason) == (a.text, list(a.token_ids), a.finish_reason)
+        assert len(b.logprobs) == len(b.token_ids)

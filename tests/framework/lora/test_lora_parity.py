@@ -181,3 +181,24 @@ def test_adapters_over_the_quantized_default_model(smollm2_gguf, tmp_path):
     noisy = llm.generate(prompt, params, lora_request=LoRARequest("noisy", 2, adapter("noisy", 0.5)),
                          use_tqdm=False)[0].outputs[0].text
     assert zero == base and noisy != base
+
+
+def test_an_adapter_whose_files_went_fails_its_requests_alone(setup, tmp_path):
+    """The worker reloads an adapter evicted from its slot and from host memory from its
+    files; if they went bad since the front end checked them, its requests end with an
+    error and the engine goes on."""
+    import shutil
+
+    base, adapters = setup
+    doomed = shutil.copytree(adapters[0], tmp_path / "doomed")
+    llm = LLM(model=base, dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=1)
+    first = LoRARequest("doomed", 1, str(doomed))
+    greedy(llm, prompts(6, (5,)), [first])
+    greedy(llm, prompts(6, (5,)), [LoRARequest("a2", 2, adapters[1])])  # evicts it from the slot and the host
+    (doomed / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts(6, (5, 6))],
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), lora_request=[first, None],
+                       use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "error" and len(out[1].outputs[0].token_ids) == 4
+    assert greedy(llm, prompts(7, (5,)), [LoRARequest("a2", 2, adapters[1])])  # the engine goes on
