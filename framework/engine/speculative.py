@@ -27,8 +27,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from portaserve.framework.errors import invalid
 
 from .request import Request
@@ -88,6 +86,8 @@ class NgramProposer:
     def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
         if k <= 0 or len(tokens) <= self.min_n:
             return ()
+        import numpy as np  # here: importing numpy starts BLAS threads, and the engine process forks only single-threaded
+
         seq = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             pattern = seq[-n:]

@@ -133,12 +133,13 @@ def test_preemption_stop_strings_and_the_last_token(folder, checkpoint):
 
 
 def _token_counts(llm, n: int, biased: bool, monkeypatch) -> list[int]:
-    """Frequencies of the 10th output token over n unseeded samples of one repetitive prompt
-    (temperature 0.1: the random model's flat logits get a few likely tokens, so proposals
-    are accepted often enough to matter and rejected often enough to test the rule)."""
+    """How many distinct tokens each of n unseeded 10-token samples holds (temperature 1: a
+    sampled token seen earlier makes the proposer offer what followed it, which the model
+    rarely samples again, so a rule that keeps proposals unchecked copies its context and
+    samples hold fewer distinct tokens; the token frequencies alone do not show it)."""
     from portaserve.framework.executor import speculation
 
-    if biased:  # a wrong rule: accept the proposal whenever it is among the 8 likeliest tokens
+    if biased:  # a wrong rule: accept every proposal (as if the check were left out)
         real = speculation.verify
 
         def biased_verify(runner, inputs, hidden, prompt_logprobs, drafts):
@@ -151,13 +152,12 @@ def _token_counts(llm, n: int, biased: bool, monkeypatch) -> list[int]:
 
             def lenient(logits, meta):
                 out = sampler(logits, meta)
-                top = logits.float().topk(8, dim=-1).indices
                 for row, rid in enumerate(rows):
                     proposal = drafts.get(rid, ())
                     if not proposal:
                         continue
                     position = runner.sampling.num_output_tokens(rid) - state_outputs[rid]
-                    if position < len(proposal) and bool((top[row] == proposal[position]).any()):
+                    if position < len(proposal):
                         out.sampled_token_ids[row] = proposal[position]
                 return out
 
@@ -169,13 +169,13 @@ def _token_counts(llm, n: int, biased: bool, monkeypatch) -> list[int]:
                 runner.sampler, runner.sampling.make_metadata = sampler, make_metadata
 
         monkeypatch.setattr("portaserve.framework.executor.model_runner.verify", biased_verify)
-    vocab = llm.llm_engine.spec.vocab_size
-    prompt = {"prompt_token_ids": [3, 5, 7, 3, 5, 7, 3, 5, 7, 3, 5]}
-    params = SamplingParams(max_tokens=10, temperature=0.1, ignore_eos=True)
+    cycle = [3, 17, 29, 8, 41, 12, 36, 5, 22, 44, 9, 31, 14, 27, 38, 2]
+    prompt = {"prompt_token_ids": cycle * 2 + cycle[:3]}
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
     outs = run(llm, [prompt] * n, params)
-    counts = [0] * vocab
-    for o in outs:
-        counts[o.outputs[0].token_ids[9]] += 1
+    counts = [0] * 11
+    for o in outs:  # the whole sequence's law, seen through how many distinct tokens it holds
+        counts[len(set(o.outputs[0].token_ids))] += 1
     return counts
 
 
@@ -199,9 +199,9 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
 
 @pytest.mark.slow
 def test_unseeded_sampling_keeps_the_target_distribution(checkpoint, monkeypatch):
-    """A 48-token vocabulary: the 10th token's frequencies over 3000 samples, with and without
-    speculation, are one distribution; a rule that accepts likely-but-unsampled proposals
-    is caught."""
+    """A 48-token vocabulary, 3000 samples of 10 tokens with and without speculation: one
+    distribution (of the samples' distinct-token counts); a rule that accepts proposals
+    without the check is caught."""
     small = checkpoint("Qwen2ForCausalLM", config_overrides={"vocab_size": 48}, tokenizer=False)
     kw = dict(dtype="float32", skip_tokenizer_init=True, max_num_seqs=256, seed=0)
     plain = LLM(small, **kw)
@@ -209,7 +209,7 @@ def test_unseeded_sampling_keeps_the_target_distribution(checkpoint, monkeypatch
     base = _token_counts(plain, 3000, False, monkeypatch)
     fair = _token_counts(spec, 3000, False, monkeypatch)
     stats = spec.llm_engine.stats()
-    assert stats.spec_num_accepted_tokens > 0.15 * stats.spec_num_draft_tokens > 100  # accepted often enough
+    assert stats.spec_num_draft_tokens > 3000 and stats.spec_num_accepted_tokens > 30  # the rule ran both ways
     assert chi_square_p(base, fair) > 1e-3
     biased = _token_counts(spec, 3000, True, monkeypatch)
     assert chi_square_p(base, biased) < 1e-3
