@@ -5,7 +5,6 @@ adapter, in one batch mixing three adapters and the base model, with eviction un
 
 from __future__ import annotations
 
-import importlib.util
 
 import json
 from pathlib import Path
@@ -13,10 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# peft is imported inside the tests: at collection it would import triton (through
-# transformers), before the Triton kernel tests set TRITON_INTERPRET
-if importlib.util.find_spec("peft") is None:
-    pytest.skip("peft is not installed (it is in the test extra)", allow_module_level=True)
+# peft (the test extra) is imported inside the tests: at collection it would import triton
+# (through transformers), before the Triton kernel tests set TRITON_INTERPRET
 
 from lora_adapters import reference_greedy, write_adapter  # noqa: E402
 from portaserve import LLM, SamplingParams  # noqa: E402

@@ -4,7 +4,6 @@ counted in /metrics. Outputs equal transformers + peft's (float32 greedy)."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import threading
 
@@ -12,10 +11,8 @@ import httpx
 import pytest
 import torch
 
-# peft is imported inside the tests: at collection it would import triton (through
-# transformers), before the Triton kernel tests set TRITON_INTERPRET
-if importlib.util.find_spec("peft") is None:
-    pytest.skip("peft is not installed (it is in the test extra)", allow_module_level=True)
+# peft (the test extra) is imported inside the tests: at collection it would import triton
+# (through transformers), before the Triton kernel tests set TRITON_INTERPRET
 
 from lora_adapters import reference_greedy, write_adapter  # noqa: E402
 from portaserve.framework.config import EngineConfig  # noqa: E402
