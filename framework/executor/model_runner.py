@@ -230,10 +230,8 @@ class ModelRunner:
         if self.spec.is_pooling:
             return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
         prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)
-        if sched.spec_token_ids:
-            out = verify(self, inputs, hidden, prompt_logprobs, sched.spec_token_ids)
-        else:
-            out = self._sample(inputs, hidden, prompt_logprobs)
+        # one sampling path: a step without proposals is a verification of none
+        out = verify(self, inputs, hidden, prompt_logprobs, sched.spec_token_ids)
         if self._lora_errors:  # they ran on the base weights: their tokens are not output
             errors, self._lora_errors = {**out.errors, **self._lora_errors}, {}
             out = dataclasses.replace(out, errors=errors,
@@ -375,51 +373,6 @@ class ModelRunner:
             for i, state in enumerate(inputs.states)
             if state.num_computed_tokens >= len(state.token_ids)
         }
-
-    def _sample(
-        self, inputs: ModelInputs, hidden: torch.Tensor, prompt_logprobs: dict[str, tuple[Logprobs, ...]]
-    ) -> ModelRunnerOutput:
-        """Sample one token for each request that reached the end of its known tokens (a
-        prefill chunk short of the prompt's end samples nothing) and record it."""
-        states = inputs.states
-        sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens >= len(s.token_ids)]
-        if not sample_rows:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        # each request's last row predicts its next token
-        index = torch.as_tensor(inputs.query_start_loc[1:][sample_rows] - 1, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        sample_ids = [states[i].req_id for i in sample_rows]
-        if self._grammar[0]:
-            logits = self._mask_logits(logits, sample_ids)
-        out = self.sampler(logits, self.sampling.make_metadata(sample_ids, logits.device))
-        sampled_ids = out.sampled_token_ids
-        if self.tp_size > 1 and self.communicator is not None:
-            # Every rank must continue with the same tokens; rank 0's draw decides.
-            sampled_ids = self.communicator.broadcast(sampled_ids.to(self.device).contiguous(), src=0).cpu()
-        failed = dict(out.failed_rows)
-        want = {r: self.sampling.num_logprobs(r) for r in sample_ids}
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, Logprobs] = {}
-        errors: dict[str, str] = {}
-        for row, (i, req_id, token) in enumerate(zip(sample_rows, sample_ids, sampled_ids.tolist())):
-            if row in failed:
-                errors[req_id] = failed[row]
-                continue
-            sampled[req_id] = token
-            states[i].token_ids.append(token)
-            self.sampling.append_output(req_id, token)
-            k = want[req_id]
-            if k is not None and out.logprobs is not None:
-                logprobs[req_id] = Logprobs(
-                    token_id=token,
-                    logprob=float(out.logprobs[row]),
-                    rank=int(out.ranks[row]),
-                    top_token_ids=tuple(out.top_token_ids[row, :k].tolist()),
-                    top_logprobs=tuple(out.top_logprobs[row, :k].tolist()),
-                )
-        return ModelRunnerOutput(
-            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs, errors=errors
-        )
 
     def _mask_logits(self, logits: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
         """Tokens a grammar forbids at -inf, for the rows of requests under one (structured outputs)."""

@@ -56,8 +56,9 @@ def decode_rows(states: Sequence[RequestState], counts: Sequence[int], drafts: M
 
 def verify(runner: Any, inputs: Any, hidden: torch.Tensor, prompt_logprobs: dict,
            drafts: Mapping[str, tuple[int, ...]]) -> ModelRunnerOutput:
-    """Sample every request of the step that reached the end of its known tokens, the
-    requests with proposals position after position (see the module docstring)."""
+    """Sample every request of the step that reached the end of its known tokens (the
+    runner's only sampling path: without proposals, one token each), the requests with
+    proposals position after position (see the module docstring)."""
     states = inputs.states
     qsl = inputs.query_start_loc
     sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens >= len(s.token_ids)]

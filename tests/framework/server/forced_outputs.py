@@ -7,7 +7,9 @@ server can be forced to write a tool call or a reasoning block from a random mod
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -27,3 +29,19 @@ class ForceTokens:
         forced = torch.full_like(logits, float("-inf"))
         forced[target] = 0.0
         return forced
+
+
+@contextlib.contextmanager
+def forcing(ids: Sequence[int], eos: int) -> Iterator[None]:
+    """Set the forced ids and EOS for engines started inside (restored afterwards)."""
+    saved = {k: os.environ.get(k) for k in (IDS_VAR, EOS_VAR)}
+    os.environ[IDS_VAR] = ",".join(map(str, ids))
+    os.environ[EOS_VAR] = str(eos)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

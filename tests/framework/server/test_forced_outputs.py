@@ -6,13 +6,12 @@ non-streaming must give the same message. The module ends by killing the engine.
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
 import pytest
 
-from forced_outputs import EOS_VAR, IDS_VAR
+from forced_outputs import forcing
 from portaserve.framework.config import EngineConfig
 from portaserve.framework.server.state import ServerSettings
 from server_harness import ServerThread, wait_for
@@ -41,21 +40,11 @@ def srv(tmp_path_factory):
     tok = Tokenizer.from_pretrained(ckpt)
     ids = tok.encode(FORCED_TEXT, add_special_tokens=False)
     assert tok.decode(ids) == FORCED_TEXT  # <think> and <tool_call> are not special: they survive decoding
-    saved = {k: os.environ.get(k) for k in (IDS_VAR, EOS_VAR)}
-    os.environ[IDS_VAR] = ",".join(map(str, ids))
-    os.environ[EOS_VAR] = str(tok.token_to_id("<|im_end|>"))
     config = EngineConfig.create(model=str(ckpt), max_model_len=512, served_model_name="forced",
                                  logits_processors=["forced_outputs:ForceTokens"])
     settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
-    try:
-        with ServerThread(config, settings) as server:
-            yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with forcing(ids, tok.token_to_id("<|im_end|>")), ServerThread(config, settings) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
