@@ -109,9 +109,8 @@ class EngineConfig(BaseModel):
             return None
         from portaserve.framework.engine.speculative import SpeculativeConfig
 
-        config = SpeculativeConfig.parse(value)  # InvalidParameterError (a ValueError) names what is wrong
-        return {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
-                "prompt_lookup_min": config.prompt_lookup_min, "prompt_lookup_max": config.prompt_lookup_max}
+        # InvalidParameterError (a ValueError) names what is wrong
+        return SpeculativeConfig.parse(value).to_dict()
 
     @field_validator("max_prefill_tokens_with_decodes", mode="before")
     @classmethod

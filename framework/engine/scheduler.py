@@ -48,7 +48,7 @@ from .request_queue import FcfsQueue, PriorityQueue
 from .request import Request, RequestStatus
 from .scheduler_output import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput, NewRequestData,
                                SchedulerOutput, SchedulerStats)
-from .speculative import NgramProposer, SpecStats, draft_limit
+from .speculative import SpecStats, draft_limit, make_proposer
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: image embeddings the encoder may compute per step when the token budget is smaller
@@ -147,7 +147,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         # speculative decoding (speculative.py): proposals per decoding request and step
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.proposer = make_proposer(speculative)
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative is not None else 0)
 
     # ----- requests in and out ---------------------------------------------------

@@ -18,6 +18,11 @@ from portaserve.framework.multimodal.inputs import MultiModalFeature
 from .params import PoolingParams, SamplingParams
 
 
+#: a proposal the runner's draft model makes (executor/draft_model.py): the scheduler
+#: only decides how many, and the worker holds the draft's weights and KV cache
+DRAFT_MODEL_SLOT = -1
+
+
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
     """A request the runner has not seen (or must rebuild after preemption)."""
@@ -64,7 +69,8 @@ class SchedulerOutput:
     # allowed-token bitmask rows (int32 [len(ids), ceil(vocab / 32)], as bytes)
     grammar_req_ids: tuple[str, ...] = ()
     grammar_bitmask: Any = b""  # bytes, or a PendingBitmask filled while the model runs
-    # speculative decoding: req_id -> proposed tokens, scheduled after its last token
+    # speculative decoding: req_id -> proposed tokens, scheduled after its last token;
+    # DRAFT_MODEL_SLOT entries are places the runner's draft model fills before the forward
     spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property

@@ -1,10 +1,13 @@
 """Speculative decoding, the scheduler's side: proposals, and their bookkeeping.
 
 Config in vLLM's shape (`--speculative-config '{"method": "ngram", "num_speculative_tokens":
-4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'`): `SpeculativeConfig.parse`.
+4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'`, or `'{"model": PATH,
+"num_speculative_tokens": 4}'` for a draft model): `SpeculativeConfig.parse`.
 
 Each step, a running request that is decoding gets up to `num_speculative_tokens`
-proposed tokens (`NgramProposer`: prompt lookup, no extra model). The scheduler
+proposed tokens: `NgramProposer` (prompt lookup, no extra model) proposes them here; a
+draft model runs in the worker (executor/draft_model.py), so the scheduler schedules
+that many `DRAFT_MODEL_SLOT` places which the runner fills before the forward. The scheduler
 schedules them with the request's last token, so one forward pass of the target model
 computes every position; the runner then samples position after position exactly as
 without speculation (same sampling parameters, penalties and seeded draws) and keeps a
@@ -30,8 +33,10 @@ from typing import Any
 from portaserve.framework.errors import invalid
 
 from .request import Request
+from .scheduler_output import DRAFT_MODEL_SLOT
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "gguf_file")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model (method "draft_model"): a folder or a GGUF file
+    gguf_file: str | None = None  # the draft's GGUF file inside `model`, when that is a folder
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in KEYS if getattr(self, key) is not None}
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -54,16 +64,19 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise invalid("speculative_config", "must be a JSON object such as "
                                                 '{"method": "ngram", "num_speculative_tokens": 4}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(set(value) - set(KEYS))
         if unknown:
-            raise invalid("speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
-        if "model" in value:
-            raise invalid("speculative_config", "draft models ('model') are not supported yet; use "
-                                                "method 'ngram'")
-        method = value.get("method", "ngram")
+            raise invalid("speculative_config", f"unknown key(s) {unknown}; known: {sorted(KEYS)}")
+        model, gguf_file = value.get("model"), value.get("gguf_file")
+        method = value.get("method", "draft_model" if model is not None else "ngram")
         if method not in METHODS:
             raise invalid("speculative_config", f"method {method!r}; supported: {', '.join(METHODS)}")
+        for name, v in (("model", model), ("gguf_file", gguf_file)):
+            if v is not None and (not isinstance(v, str) or not v or len(v) > 4096):
+                raise invalid("speculative_config", f"{name} must be a non-empty path, got {v!r}")
+        if (method == "draft_model") != (model is not None):
+            raise invalid("speculative_config", "method 'draft_model' takes a 'model' (the draft's folder or GGUF "
+                                                "file) and method 'ngram' none")
         k = value.get("num_speculative_tokens", 4)
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", value.get("prompt_lookup_min", 4))
         for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -71,7 +84,7 @@ class SpeculativeConfig:
                 raise invalid("speculative_config", f"{name} must be an integer in [1, 64], got {v!r}")
         if lo > hi:
             raise invalid("speculative_config", f"prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-        return cls(method, k, lo, hi)
+        return cls(method, k, lo, hi, model, gguf_file)
 
 
 class NgramProposer:
@@ -97,6 +110,23 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the token after the latest earlier match
                 return tuple(seq[start:start + k].tolist())
         return ()
+
+
+class DraftModelSlots:
+    """The scheduler's side of a draft model: k places per decoding request, which the
+    runner's draft model fills (executor/draft_model.py)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+
+    def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
+        return (DRAFT_MODEL_SLOT,) * k
+
+
+def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | DraftModelSlots | None:
+    if config is None:
+        return None
+    return DraftModelSlots(config) if config.method == "draft_model" else NgramProposer(config)
 
 
 def draft_limit(request: Request, k: int, max_model_len: int) -> int:

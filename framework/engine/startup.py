@@ -42,6 +42,9 @@ class EngineSpec:
     is_pooling: bool
     is_demo: bool
     served_model_name: str
+    # speculative decoding's draft model (executor/draft_model.py): its own resolved spec,
+    # on the same platform, block size and context length as this one
+    draft: "EngineSpec | None" = None
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +88,7 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
         logger.warning("no model given: serving the demo checkpoint at %s (RANDOM WEIGHTS, output is gibberish)", model_path)
     name = config.served_model_name or default_name
     logger.info("serving %s from %s", name, model_path)
+    draft = _resolve_draft(config, registry, plan, hf_config, int(max_model_len))
     return EngineSpec(
         config=config,
         plan=plan,
@@ -95,7 +99,36 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
         is_pooling=bool(getattr(arch, "is_pooling", False)),
         is_demo=is_demo,
         served_model_name=name,
+        draft=draft,
     )
+
+
+def _resolve_draft(config: EngineConfig, registry: PluginRegistry, plan: ExecutionPlan, hf_config: dict,
+                   max_model_len: int) -> EngineSpec | None:
+    """The draft model's spec when `speculative_config` names one: resolved like the
+    target, pinned to the target's platform, block size (the two share block tables) and
+    context length, and refused unless its vocabulary is the target's."""
+    spec_config = config.speculative_config or {}
+    if spec_config.get("model") is None:
+        return None
+    draft_config = config.model_copy(update={
+        "model": spec_config["model"], "gguf_file": spec_config.get("gguf_file"), "tokenizer": None,
+        "served_model_name": None, "speculative_config": None, "enable_lora": False, "logits_processors": None,
+        "quantization": None, "device": plan.platform.name, "block_size": plan.block_size,
+        "max_model_len": max_model_len, "nnodes": 1})
+    try:
+        draft = resolve_engine(draft_config, registry)
+    except (InvalidParameterError, UnsupportedError, OSError, ValueError) as exc:
+        raise InvalidParameterError("speculative_config", f"speculative_config.model: {exc}") from None
+    if draft.is_pooling:
+        raise InvalidParameterError("speculative_config", "speculative_config.model: the draft must be a decoder "
+                                                          "(it is an embedding model)")
+    if draft.vocab_size != int(hf_config.get("vocab_size", 0)):
+        raise InvalidParameterError(
+            "speculative_config", f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) is "
+                                  f"not the target's ({hf_config.get('vocab_size')}); a draft must share the tokenizer")
+    logger.info("speculative decoding: draft model %s (%s)", draft.model_path, draft.plan.model_architecture.name)
+    return draft
 
 
 def _model_location(config: EngineConfig) -> tuple[Path, str]:

@@ -17,9 +17,10 @@ import logging
 import numpy as np
 import torch
 
-from portaserve.framework.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
-from portaserve.framework.engine.startup import EngineSpec
+from portaserve.framework.engine.scheduler_output import DRAFT_MODEL_SLOT, Logprobs, ModelRunnerOutput, SchedulerOutput
+from portaserve.framework.engine.startup import EngineSpec, default_num_batched_tokens
 from portaserve.framework.executor.compile import EagerForward, build_forward
+from portaserve.framework.executor.draft_model import DraftModel
 from portaserve.framework.executor.input_batch import ModelInputs, RequestState, build_inputs
 from portaserve.framework.executor.model_builder import build_model
 from portaserve.framework.executor.sampler import Sampler, compute_prompt_logprobs
@@ -90,6 +91,11 @@ class ModelRunner:
         self.lora_state = LoRAState(spec.config.max_loras, spec.config.max_lora_rank) if spec.config.enable_lora else None
         self.lora = None
         self._lora_errors: dict[str, str] = {}  # this step's requests whose adapter failed to load
+        # speculative decoding's draft model, when the config names one (draft_model.py)
+        self.drafter = DraftModel(
+            spec.draft, registry, platform, local_rank, tp_rank, tp_size, communicator,
+            max_tokens_per_step=default_num_batched_tokens(spec), max_num_seqs=spec.config.max_num_seqs,
+            num_speculative_tokens=spec.config.speculative_config["num_speculative_tokens"]) if spec.draft else None
 
     # ----- setup -----------------------------------------------------------------------
 
@@ -114,6 +120,8 @@ class ModelRunner:
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
+        if self.drafter is not None:
+            self.drafter.load()
         if self.lora_state is not None:
             self.lora = LoRAManager(self.lora_state, self.spec.config.max_cpu_loras)
         backend = self.plan.compile_backend
@@ -129,8 +137,10 @@ class ModelRunner:
             logger.info("compilation: %s", self.forward.description)
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one block takes across every attention layer of this rank."""
-        return sum(self.backends[t].kv_cache_bytes_per_block() for t in self.layer_types)
+        """Bytes one block takes across every attention layer of this rank (the draft
+        model's too: its cache has as many blocks)."""
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return sum(self.backends[t].kv_cache_bytes_per_block() for t in self.layer_types) + draft
 
     def determine_num_blocks(self) -> int:
         config = self.spec.config
@@ -158,10 +168,14 @@ class ModelRunner:
         shapes = [self.backends[t].kv_cache_shape(num_blocks + reserved) for t in self.layer_types]
         dtypes = [self.backends[t].kv_cache_torch_dtype() for t in self.layer_types]
         self.kv_caches = self.allocator.allocate(shapes, dtypes) if shapes else []
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(self.allocator, num_blocks)
 
     def release_kv_cache(self) -> None:
         self.allocator.release(self.kv_caches)
         self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.release_kv_cache(self.allocator)
 
     # ----- one step --------------------------------------------------------------------
 
@@ -169,7 +183,11 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             if self.requests.pop(req_id, None) is not None:
                 self.sampling.remove_request(req_id)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for new in sched.new_requests:
+            if self.drafter is not None:  # new, or resumed with other blocks
+                self.drafter.forget(new.req_id)
             if new.req_id in self.requests:  # resumed after preemption without a finish notice
                 self.sampling.remove_request(new.req_id)
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
@@ -221,9 +239,10 @@ class ModelRunner:
         if sched.scheduled_encoder_inputs:
             self._run_encoder(sched.scheduled_encoder_inputs)
         self._grammar = (sched.grammar_req_ids, sched.grammar_bitmask)
-        for req_id, drafts in sched.spec_token_ids.items():  # verified in this step (speculation.py)
-            self.requests[req_id].token_ids.extend(drafts)
-        inputs = self._prepare_inputs(sched)
+        drafts = self._fill_drafts(sched.spec_token_ids)
+        for req_id, proposed in drafts.items():  # verified in this step (speculation.py)
+            self.requests[req_id].token_ids.extend(proposed)
+        inputs = self._prepare_inputs(sched, drafts)
         hidden = self._run_model(inputs)
         for state, n in zip(inputs.states, inputs.query_lens.tolist()):
             state.num_computed_tokens += n
@@ -231,23 +250,31 @@ class ModelRunner:
             return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
         prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)
         # one sampling path: a step without proposals is a verification of none
-        out = verify(self, inputs, hidden, prompt_logprobs, sched.spec_token_ids)
+        out = verify(self, inputs, hidden, prompt_logprobs, drafts)
         if self._lora_errors:  # they ran on the base weights: their tokens are not output
             errors, self._lora_errors = {**out.errors, **self._lora_errors}, {}
             out = dataclasses.replace(out, errors=errors,
                                       sampled_token_ids={r: t for r, t in out.sampled_token_ids.items() if r not in errors})
         return out
 
-    def _prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+    def _fill_drafts(self, spec_token_ids):
+        """The step's proposals, the draft model's made now (its places are DRAFT_MODEL_SLOT)."""
+        wanted = {r: len(d) for r, d in spec_token_ids.items() if d and d[0] == DRAFT_MODEL_SLOT}
+        if not wanted:
+            return spec_token_ids
+        made = self.drafter.propose([self.requests[r] for r in wanted], list(wanted.values()))
+        return {**spec_token_ids, **made}
+
+    def _prepare_inputs(self, sched: SchedulerOutput, drafts=None) -> ModelInputs:
         """The step's inputs on the device, padded as the forward replays them, with every
         attention backend's metadata built once."""
         req_ids = tuple(sched.req_ids())
         states = tuple(self.requests[r] for r in req_ids)
         counts = [sched.num_scheduled_tokens[r] for r in req_ids]
-        if sched.spec_token_ids:
+        if drafts:
             # a request's last token and its proposals attend as that many one-token queries
             # (speculation.py): each row runs the decode path it would run without speculation
-            host = decode_rows(states, counts, sched.spec_token_ids, self.block_size, bool(self.kv_caches))
+            host = decode_rows(states, counts, drafts, self.block_size, bool(self.kv_caches))
         else:
             host = build_inputs(states, counts, self.block_size, with_kv_cache=bool(self.kv_caches))
         rope_3d, positions = self._rope_positions(states, host.positions, host.query_start_loc)

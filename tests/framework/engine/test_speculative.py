@@ -5,13 +5,12 @@ test that fails on a biased acceptance rule); and the proposer and config on the
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from portaserve import LLM, SamplingParams
 from portaserve.framework.engine.speculative import NgramProposer, SpeculativeConfig, next_num_drafts
 from portaserve.framework.errors import InvalidParameterError
+from speculation_helpers import ids, repetitive_prompts, run
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -52,27 +51,6 @@ def test_fewer_proposals_after_rejections():
 
 
 # ----- engines (full suite) --------------------------------------------------------------------------------
-
-
-def repetitive_prompts(count: int, seed: int) -> list[dict]:
-    """Prompts with repeated phrases (the proposer finds matches) and plain random ones."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        if i % 3 == 2:
-            out.append({"prompt_token_ids": [rng.randrange(100, 5000) for _ in range(rng.randrange(5, 30))]})
-        else:
-            phrase = [rng.randrange(100, 5000) for _ in range(rng.randrange(3, 7))]
-            out.append({"prompt_token_ids": phrase * rng.randrange(2, 5) + phrase[:2]})
-    return out
-
-
-def run(llm, prompts, params) -> list:
-    return llm.generate(prompts, params, use_tqdm=False)
-
-
-def ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.fixture(scope="module")
