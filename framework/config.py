@@ -75,7 +75,8 @@ class EngineConfig(BaseModel):
         None, description="most media items per prompt by modality, as JSON: '{\"image\": 4}' (default 8 images)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'")
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}', or a draft model: '{\"model\": PATH, "
+        "\"num_speculative_tokens\": 4}'")
     enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT format) over the base model")
     max_loras: int = Field(1, ge=1, description="LoRA adapters resident at once (slots on the device); a step "
                            "runs requests of at most this many adapters")

@@ -29,7 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 4}'")
 
 
 def engine_kwargs(args: argparse.Namespace, batch: int) -> dict[str, Any]:

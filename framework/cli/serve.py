@@ -152,7 +152,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("limit_mm_per_prompt", "most media items per prompt, as JSON: '{\"image\": 4}' (default 8 images)",
          type=str, metavar="JSON"),
     Flag("speculative_config", "speculative decoding, as JSON with vLLM's keys: '{\"method\": \"ngram\", "
-         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'", type=str, metavar="JSON"),
+         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}', or a draft model "
+         "with the same tokenizer: '{\"model\": PATH, \"num_speculative_tokens\": 4}'", type=str, metavar="JSON"),
     Flag("enable_lora", "serve LoRA adapters (a request names one by its model name)", kind="switch"),
     Flag("max_loras", "LoRA adapters resident at once; a step runs requests of at most this many"),
     Flag("max_lora_rank", "the largest LoRA rank an adapter may have (slots are this size)"),

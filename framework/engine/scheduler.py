@@ -48,7 +48,7 @@ from .request_queue import FcfsQueue, PriorityQueue
 from .request import Request, RequestStatus
 from .scheduler_output import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput, NewRequestData,
                                SchedulerOutput, SchedulerStats)
-from .speculative import SpecStats, draft_limit, make_proposer
+from .speculative import SpecStats, draft_limit, make_proposer, may_speculate
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: image embeddings the encoder may compute per step when the token budget is smaller
@@ -59,7 +59,7 @@ class _Step:
     """What one `schedule()` call has decided so far."""
 
     __slots__ = ("budget", "prefill_budget", "num_scheduled", "new_blocks", "new_requests", "admitted", "preempted",
-                 "encoder_budget", "encoder_inputs", "drafts")
+                 "encoder_budget", "encoder_inputs", "drafts", "grammar_rows")
 
     def __init__(self, budget: int, prefill_budget: int, encoder_budget: int = 0) -> None:
         self.budget = budget
@@ -73,6 +73,7 @@ class _Step:
         self.encoder_budget = encoder_budget  # image embeddings left to encode this step
         self.encoder_inputs: list = []  # MultiModalFeatures the runner encodes this step
         self.drafts: dict[str, tuple[int, ...]] = {}  # proposals scheduled with a decode
+        self.grammar_rows: dict[str, Any] = {}  # bitmask rows per position of constrained proposals
 
 
 class Scheduler:
@@ -297,8 +298,8 @@ class Scheduler:
             request = running[i]
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
             is_prefill = num_new > 1
-            if num_new == 1 and self.proposer is not None and request.grammar is None:
-                drafts = self._propose(request, budget - 1)
+            if num_new == 1 and self.proposer is not None and may_speculate(request, self.proposer):
+                drafts = self._propose(request, budget - 1, step)
                 if drafts:
                     step.drafts[request.request_id] = drafts
                     num_new += len(drafts)
@@ -336,9 +337,12 @@ class Scheduler:
         step.budget = budget
         return preempted
 
-    def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
+    def _propose(self, request: Request, budget: int, step: _Step) -> tuple[int, ...]:
         k = min(draft_limit(request, request.spec_k or self.proposer.k, self.max_model_len), budget)
-        return self.proposer.propose(request.prompt_token_ids + request.output_token_ids, k) if k > 0 else ()
+        drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids, k) if k > 0 else ()
+        if drafts and request.grammar is not None:  # the prefix its grammar allows, a mask row per position
+            drafts, step.grammar_rows[request.request_id] = self.structured.draft_rows(request, drafts)
+        return drafts
 
     def _schedule_waiting(self, step: _Step) -> None:
         bm = self.block_manager
@@ -491,7 +495,8 @@ class Scheduler:
         finished = frozenset(self._finished_ids)
         constrained = [r for r in (requests[rid] for rid in num_scheduled)
                        if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]  # they sample this step
-        grammar_ids, grammar_bitmask = self.structured.bitmask(constrained) if constrained else ((), b"")
+        grammar_ids, grammar_bitmask, grammar_rows = (self.structured.bitmask(constrained, step.grammar_rows)
+                                                      if constrained else ((), b"", ()))
         if total:
             # An engine may skip the runner on an empty step, so keep the ids until a
             # step that reaches it (the runner ignores ids it does not know).
@@ -507,6 +512,7 @@ class Scheduler:
             free_encoder_hashes=self.encoder_cache.take_freed(),
             grammar_req_ids=grammar_ids,
             grammar_bitmask=grammar_bitmask,
+            grammar_rows=grammar_rows,
             spec_token_ids=dict(step.drafts),
         )
 
@@ -562,8 +568,10 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=(), prompt_logprobs=plp,
                                                     num_cached_tokens=request.num_cached_tokens))
                 continue
-            if request.grammar is not None and not self.structured.accept(request, token):
-                self._fail(request, f"structured outputs: the grammar refused the sampled token {token}", outputs)
+            refused = None if request.grammar is None else self.structured.accept_all(
+                request, (*runner_output.accepted_token_ids.get(rid, ()), token))
+            if refused is not None:
+                self._fail(request, f"structured outputs: the grammar refused the sampled token {refused}", outputs)
                 any_finished = True
                 continue
             drafts = scheduler_output.spec_token_ids.get(rid)

@@ -129,6 +129,15 @@ def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | DraftMode
     return DraftModelSlots(config) if config.method == "draft_model" else NgramProposer(config)
 
 
+def may_speculate(request: Request, proposer: NgramProposer | DraftModelSlots) -> bool:
+    """Requests under a grammar speculate with n-gram proposals, which the scheduler walks
+    the grammar over (structured/manager.py draft_rows); a draft model's proposals are made
+    in the worker, where no grammar is, so they decode one token at a time. Inside a
+    reasoning section (not yet constrained) they do not speculate either."""
+    grammar = request.grammar
+    return grammar is None or (isinstance(proposer, NgramProposer) and not grammar.reasoning_end)
+
+
 def draft_limit(request: Request, k: int, max_model_len: int) -> int:
     """Proposals worth scheduling: none past max_tokens or the context (a token sampled
     after the last allowed one would be thrown away)."""

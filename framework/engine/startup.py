@@ -88,7 +88,9 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
         logger.warning("no model given: serving the demo checkpoint at %s (RANDOM WEIGHTS, output is gibberish)", model_path)
     name = config.served_model_name or default_name
     logger.info("serving %s from %s", name, model_path)
-    draft = _resolve_draft(config, registry, plan, hf_config, int(max_model_len))
+    is_pooling = bool(getattr(arch, "is_pooling", False))
+    # an embedding model does not decode: speculative_config does not apply (as in the core)
+    draft = None if is_pooling else _resolve_draft(config, registry, plan, hf_config, int(max_model_len))
     return EngineSpec(
         config=config,
         plan=plan,
@@ -96,7 +98,7 @@ def resolve_engine(config: EngineConfig, registry: PluginRegistry | None = None)
         tokenizer_path=str(tokenizer_path),
         hf_config=dict(hf_config),
         max_model_len=int(max_model_len),
-        is_pooling=bool(getattr(arch, "is_pooling", False)),
+        is_pooling=is_pooling,
         is_demo=is_demo,
         served_model_name=name,
         draft=draft,
@@ -120,9 +122,9 @@ def _resolve_draft(config: EngineConfig, registry: PluginRegistry, plan: Executi
         draft = resolve_engine(draft_config, registry)
     except (InvalidParameterError, UnsupportedError, OSError, ValueError) as exc:
         raise InvalidParameterError("speculative_config", f"speculative_config.model: {exc}") from None
-    if draft.is_pooling:
-        raise InvalidParameterError("speculative_config", "speculative_config.model: the draft must be a decoder "
-                                                          "(it is an embedding model)")
+    if draft.is_pooling or "vision_config" in draft.hf_config:
+        raise InvalidParameterError("speculative_config", "speculative_config.model: the draft must be a text "
+                                                          "decoder (not an embedding or vision-language model)")
     if draft.vocab_size != int(hf_config.get("vocab_size", 0)):
         raise InvalidParameterError(
             "speculative_config", f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) is "

@@ -68,7 +68,7 @@ class ModelRunner:
         self.backends = context.attention_backends()
         # structured outputs' mask on the logits (the platform's kernel or the torch reference)
         self._apply_token_bitmask = context.ops.get("apply_token_bitmask")
-        self._grammar: tuple[tuple[str, ...], bytes] = ((), b"")
+        self._grammar: tuple[tuple[str, ...], bytes, tuple[int, ...]] = ((), b"", ())
         # The backends whose metadata a step needs: those of the decoder's layers (a vision
         # tower builds its own per batch of images); every one for an encoder-only model.
         self.step_backends = {t: b for t, b in self.backends.items() if t in self.layer_types or not self.layer_types}
@@ -238,7 +238,7 @@ class ModelRunner:
             self.lora_state.token_slots = None  # a vision tower never runs adapters
         if sched.scheduled_encoder_inputs:
             self._run_encoder(sched.scheduled_encoder_inputs)
-        self._grammar = (sched.grammar_req_ids, sched.grammar_bitmask)
+        self._grammar = (sched.grammar_req_ids, sched.grammar_bitmask, sched.grammar_rows)
         drafts = self._fill_drafts(sched.spec_token_ids)
         for req_id, proposed in drafts.items():  # verified in this step (speculation.py)
             self.requests[req_id].token_ids.extend(proposed)
@@ -401,17 +401,19 @@ class ModelRunner:
             if state.num_computed_tokens >= len(state.token_ids)
         }
 
-    def _mask_logits(self, logits: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
-        """Tokens a grammar forbids at -inf, for the rows of requests under one (structured outputs)."""
-        ids, data = self._grammar
+    def _mask_logits(self, logits: torch.Tensor, sample_ids: list[str], positions: list[int]) -> torch.Tensor:
+        """Tokens a grammar forbids at -inf, for the rows of requests under one (structured
+        outputs): the row of each request's sampled position (0, or a proposal's)."""
+        ids, data, counts = self._grammar
         if not isinstance(data, bytes):  # filled on the scheduler's thread while the model ran
             data = data.result()
-        rows = torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(ids), -1)
-        position = {rid: i for i, rid in enumerate(ids)}
+        counts = counts or (1,) * len(ids)
+        rows = torch.frombuffer(bytearray(data), dtype=torch.int32).view(sum(counts), -1)
+        first = dict(zip(ids, np.cumsum((0, *counts[:-1])).tolist()))
         mask = torch.full((len(sample_ids), rows.shape[1]), -1, dtype=torch.int32)
-        for row, rid in enumerate(sample_ids):
-            if rid in position:
-                mask[row] = rows[position[rid]]
+        for row, (rid, position) in enumerate(zip(sample_ids, positions)):
+            if rid in first:
+                mask[row] = rows[first[rid] + position]
         return self._apply_token_bitmask(logits, mask.to(logits.device))
 
     def _prompt_logprobs(self, states, query_start_loc, hidden) -> dict[str, tuple[Logprobs, ...]]:

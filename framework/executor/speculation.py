@@ -83,9 +83,9 @@ def verify(runner: Any, inputs: Any, hidden: torch.Tensor, prompt_logprobs: dict
         index = torch.as_tensor([offsets[i] + j for i, j in zip(active, positions)], device=logits_all.device)
         logits = logits_all.index_select(0, index)
         if runner._grammar[0]:
-            # requests under a grammar never have proposals: they only sample position 0,
-            # and every other row gets an all-allowed mask row
-            logits = runner._mask_logits(logits, ids)
+            # each position of a request under a grammar has its own row (the state after
+            # the proposals before it); the other requests' rows allow everything
+            logits = runner._mask_logits(logits, ids, positions)
         out = runner.sampler(logits, runner.sampling.make_metadata(ids, logits.device))
         sampled = out.sampled_token_ids
         if runner.tp_size > 1 and runner.communicator is not None:

@@ -10,8 +10,10 @@
 - Each sequence has its own matcher. Before a step, `bitmask` fills one row per
   sequence that samples in it; after, `accept` advances the matcher by the sampled
   token. Tokens are only ever appended (preemption recomputes the KV cache but keeps
-  the tokens), so matchers never need to go back here; `GrammarMatcher.rollback` is
-  for speculative decoding.
+  the tokens), so matchers never need to go back for that.
+- Speculative proposals (n-gram) are constrained too: `draft_rows` walks the matcher
+  over them, keeps the longest prefix the grammar allows, fills one row per position
+  (the position's state after the proposals before it) and rolls the matcher back.
 """
 
 from __future__ import annotations
@@ -126,22 +128,74 @@ class StructuredOutputManager:
             request.output_token_ids.append(token)
         return True
 
-    def bitmask(self, requests: list[Any]) -> tuple[tuple[str, ...], "PendingBitmask | bytes"]:
-        """(request ids, their int32 bitmask rows) for the sequences that sample this step.
-        The rows are filled on a worker thread while the model runs: the runner waits for
-        them only when it samples (a PendingBitmask; it pickles as the finished bytes)."""
+    def bitmask(self, requests: list[Any], draft_rows: dict[str, Any] | None = None
+                ) -> tuple[tuple[str, ...], "PendingBitmask | bytes", tuple[int, ...]]:
+        """(request ids, their int32 bitmask rows, rows per request) for the sequences that
+        sample this step: one row each, or one per position for a request with proposals
+        (`draft_rows`, made by `draft_rows` while scheduling). The single rows are filled
+        on a worker thread while the model runs: the runner waits for them only when it
+        samples (a PendingBitmask; it pickles as the finished bytes)."""
         requests = [r for r in requests if not r.grammar.reasoning_end]
         if not requests:
-            return (), b""
-        matchers = [r.grammar.matcher for r in requests]
-        return tuple(r.request_id for r in requests), PendingBitmask(self._fill_pool.submit(self._fill, matchers))
+            return (), b"", ()
+        draft_rows = draft_rows or {}
+        made = [draft_rows.get(r.request_id) for r in requests]
+        counts = tuple(1 if rows is None else rows.shape[0] for rows in made)
+        matchers = [r.grammar.matcher for r, rows in zip(requests, made) if rows is None]
+        future = self._fill_pool.submit(self._fill, matchers, made, sum(counts))
+        return tuple(r.request_id for r in requests), PendingBitmask(future), counts
 
-    def _fill(self, matchers: list[Any]) -> bytes:
+    def _fill(self, matchers: list[Any], made: list[Any] | None = None, num_rows: int | None = None) -> bytes:
         import torch
 
-        mask = torch.full((len(matchers), bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
-        self.backend().fill_bitmasks(matchers, mask)
-        return mask.numpy().tobytes()
+        words = bitmask_words(self.spec.vocab_size)
+        fresh = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        if matchers:
+            self.backend().fill_bitmasks(matchers, fresh)
+        if not made or all(rows is None for rows in made):
+            return fresh.numpy().tobytes()
+        parts, next_fresh = [], 0
+        for rows in made:  # in request order: the precomputed rows, or the next fresh one
+            if rows is None:
+                parts.append(fresh[next_fresh:next_fresh + 1])
+                next_fresh += 1
+            else:
+                parts.append(rows)
+        return torch.cat(parts).numpy().tobytes()
+
+    def draft_rows(self, request: Any, drafts: tuple[int, ...]) -> tuple[tuple[int, ...], Any]:
+        """The longest prefix of `drafts` the request's grammar allows (at most
+        MAX_ROLLBACK_TOKENS), and its bitmask rows: row j is the state after the first j
+        proposals, for sampling position j. The matcher ends where it started."""
+        import torch
+
+        matcher = request.grammar.matcher
+        drafts = drafts[:MAX_ROLLBACK_TOKENS]
+        rows = torch.full((len(drafts) + 1, bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
+        kept = 0
+        try:
+            for j in range(len(drafts) + 1):
+                matcher.fill_bitmask(rows, j)
+                if j == len(drafts):
+                    break
+                token = drafts[j]
+                # the row says whether the grammar takes the token (a refused token would
+                # leave some matchers in an error state that no rollback undoes)
+                if not (int(rows[j, token // 32]) >> (token % 32)) & 1 or not matcher.accept_token(token):
+                    break
+                kept += 1
+        finally:
+            if kept:
+                matcher.rollback(kept)
+        return drafts[:kept], rows[:kept + 1].clone()
+
+    def accept_all(self, request: Any, tokens: tuple[int, ...]) -> int | None:
+        """`accept` each of a step's tokens in order (accepted proposals, then the sampled
+        one); the first the grammar refuses, or None when it takes them all."""
+        for token in tokens:
+            if not self.accept(request, token):
+                return token
+        return None
 
     def accept(self, request: Any, token: int) -> bool:
         """Advance the request's matcher (`token` is not yet in its output); False when the

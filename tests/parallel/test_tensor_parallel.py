@@ -168,3 +168,36 @@ def test_tp2_structured_outputs_match_tp1(checkpoint):
 
     single = run(1)
     assert run(2) == single
+
+
+def test_tp2_speculative_decoding_matches_tp1(checkpoint, tmp_path):
+    """Under TP=2 both ranks verify the same proposals: a draft model (each rank runs its
+    shard of the draft; rank 0's proposals are broadcast) and n-gram proposals under a
+    grammar (the per-position mask rows cross to the workers) give TP=1's tokens."""
+    from portaserve import SamplingParams
+    from portaserve.framework.structured.params import StructuredOutputsParams
+    from portaserve.models.truncated import truncate_checkpoint
+
+    folder = checkpoint("Qwen2ForCausalLM")
+    draft = truncate_checkpoint(folder, tmp_path / "draft", 2)
+    phrase = [101, 2020, 303, 4040]
+    prompts = [{"prompt_token_ids": phrase * 3}, *prompts_of([5, 21], seed=3)]
+    regex = StructuredOutputsParams(regex="(yes|no)(, (yes|no)){3,20}\\.")
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, structured_outputs=regex),
+              SamplingParams(max_tokens=24, temperature=0.5, seed=4, ignore_eos=True)]
+    kw = {**ENGINE_KW, "skip_tokenizer_init": False}
+    configs = ({"model": str(draft), "num_speculative_tokens": 3}, {"method": "ngram", "prompt_lookup_min": 1})
+
+    def run(tp: int, spec_config=None):
+        llm = LLM(folder, tensor_parallel_size=tp, speculative_config=spec_config, **kw)
+        try:
+            out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            return out, llm.llm_engine.stats().spec_num_accepted_tokens
+        finally:
+            llm.shutdown()
+
+    plain, _ = run(1)
+    for spec_config in configs:
+        got, accepted = run(2, spec_config)
+        assert got == plain and accepted > 0, spec_config

@@ -176,14 +176,19 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.slow
-def test_unseeded_sampling_keeps_the_target_distribution(checkpoint, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_unseeded_sampling_keeps_the_target_distribution(method, checkpoint, monkeypatch, tmp_path):
     """A 48-token vocabulary, 3000 samples of 10 tokens with and without speculation: one
     distribution (of the samples' distinct-token counts); a rule that accepts proposals
-    without the check is caught."""
+    without the check is caught. The draft model is the target's first 2 of 3 layers."""
+    from portaserve.models.truncated import truncate_checkpoint
+
     small = checkpoint("Qwen2ForCausalLM", config_overrides={"vocab_size": 48}, tokenizer=False)
     kw = dict(dtype="float32", skip_tokenizer_init=True, max_num_seqs=256, seed=0)
     plain = LLM(small, **kw)
-    spec = LLM(small, speculative_config={**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **kw)
+    config = ({**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else
+              {"model": str(truncate_checkpoint(small, tmp_path / "draft", 2)), "num_speculative_tokens": 4})
+    spec = LLM(small, speculative_config=config, **kw)
     base = _token_counts(plain, 3000, False, monkeypatch)
     fair = _token_counts(spec, 3000, False, monkeypatch)
     stats = spec.llm_engine.stats()
@@ -212,10 +217,39 @@ def test_the_default_model_gives_the_same_text(smollm2_gguf):
 
 
 @pytest.mark.slow
+def test_grammar_constrained_proposals(folder):
+    """Requests under a grammar speculate too: their proposals are cut where the grammar
+    refuses them and each verified position samples under its own mask row, so greedy and
+    seeded constrained outputs are token-identical, beside unconstrained requests."""
+    from portaserve.framework.structured.params import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="(yes|no|maybe)(, (yes|no|maybe)){5,40}\\.")
+    schema = StructuredOutputsParams(json={"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                           "minItems": 4, "maxItems": 30}, disable_any_whitespace=True)
+    prompts = repetitive_prompts(6, seed=8)
+    plain = LLM(folder, dtype="float32", block_size=16)
+    spec = LLM(folder, dtype="float32", block_size=16, speculative_config=NGRAM)
+    for kw in (dict(temperature=0), dict(temperature=0.05, seed=9)):
+        constrained = [SamplingParams(max_tokens=60, structured_outputs=c, **kw) for c in (regex, schema)]
+        params = [*constrained, SamplingParams(max_tokens=30, ignore_eos=True, **kw)] * 2
+        before = spec.llm_engine.stats().spec_num_accepted_tokens
+        want, got = run(plain, prompts, params), run(spec, prompts, params)
+        assert ids(got) == ids(want), kw
+        assert got[0].outputs[0].text.endswith(".") and got[1].outputs[0].text.startswith("[")
+        assert spec.llm_engine.stats().spec_num_accepted_tokens > before
+    # the constrained requests alone: their own proposals were accepted
+    before = spec.llm_engine.stats()
+    only = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=c) for c in (regex, schema)]
+    assert ids(run(spec, prompts[:2], only)) == ids(run(plain, prompts[:2], only))
+    after = spec.llm_engine.stats()
+    assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens > 5
+
+
+@pytest.mark.slow
 def test_structured_outputs_and_priority_preemption_beside_proposals(folder):
-    """A request under a grammar (never speculating) keeps its mask in a step whose other
-    requests verify proposals; a priority preemption of a request scheduled with proposals
-    this step drops them too."""
+    """A request under a grammar keeps its mask in a step whose other requests verify
+    proposals; a priority preemption of a request scheduled with proposals this step drops
+    them too."""
     from portaserve.framework.structured.params import StructuredOutputsParams
 
     prompts = repetitive_prompts(4, seed=5)

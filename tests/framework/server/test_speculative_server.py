@@ -1,5 +1,6 @@
-"""Speculative decoding through the server: several tokens per step stream as deltas that
-concatenate to the non-streamed text, and /metrics counts proposals and accepted tokens."""
+"""Speculative decoding through the server (n-gram, and a draft model): several tokens per
+step stream as deltas that concatenate to the non-streamed text, and /metrics counts
+proposals and accepted tokens."""
 
 from __future__ import annotations
 
@@ -14,13 +15,20 @@ from server_harness import ServerThread, metric
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def srv(request, tmp_path_factory):
+    import json
+
     from portaserve.models.checkpoints import write_checkpoint
+    from portaserve.models.truncated import truncate_checkpoint
 
     ckpt = write_checkpoint("Qwen2ForCausalLM", "tiny", tmp_path_factory.mktemp("qwen2-spec"))
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    if request.param == "draft_model":  # the target's first 2 of 3 layers
+        spec = {"model": str(truncate_checkpoint(ckpt, tmp_path_factory.mktemp("draft") / "d2", 2)),
+                "num_speculative_tokens": 4}
     config = EngineConfig.create(model=str(ckpt), dtype="float32", max_model_len=512, served_model_name="tiny",
-                                 speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+                                 speculative_config=json.dumps(spec))
     with ServerThread(config, ServerSettings()) as server:
         yield server
 

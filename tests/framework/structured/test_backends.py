@@ -80,3 +80,41 @@ def test_a_compiling_request_holds_up_no_other():
     manager.ready = True
     out = sched.schedule()
     assert "slow" in out.num_scheduled_tokens and out.grammar_req_ids == ("slow",)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_proposals_are_cut_where_the_grammar_refuses_them(name):
+    """Speculative proposals under a grammar (manager.draft_rows): the longest allowed
+    prefix is kept, each position gets the mask row of its state, and the matcher ends
+    where it started, even after a refused proposal (llguidance cannot roll back an
+    error)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from portaserve.framework.interfaces.structured_output import Constraint
+    from portaserve.framework.structured import manager as mgr
+    from portaserve.framework.testing.structured_checks import allowed, qwen2_vocab
+
+    vocab, tok = qwen2_vocab()
+    compiled = backend(name)(vocab).compile(Constraint("regex", "(ab|cd)+"))
+    m = mgr.StructuredOutputManager(SimpleNamespace(vocab_size=vocab.vocab_size), name)
+    matcher = compiled.matcher(mgr.MAX_ROLLBACK_TOKENS)
+    request = SimpleNamespace(grammar=SimpleNamespace(matcher=matcher, reasoning_end=()))
+    ab, cd, x = (tok.token_to_id(t) for t in ("ab", "cd", "x"))
+    start = allowed(matcher)
+    assert ab in start and x not in start
+    kept, rows = m.draft_rows(request, (ab, cd, x, ab))
+    assert kept == (ab, cd) and rows.shape[0] == 3
+    reference = compiled.matcher(mgr.MAX_ROLLBACK_TOKENS)
+    for j, token in enumerate((ab, cd, None)):
+        want = torch.full((1, rows.shape[1]), -1, dtype=torch.int32)
+        reference.fill_bitmask(want, 0)
+        assert torch.equal(rows[j], want[0]), j
+        if token is not None:
+            assert reference.accept_token(token)
+    assert allowed(matcher) == start and matcher.accept_token(cd)  # back at the start, and usable
+    matcher.rollback(1)
+    kept, rows = m.draft_rows(request, (x, ab))  # the first proposal refused: none kept, position 0's row
+    assert kept == () and rows.shape[0] == 1 and allowed(matcher) == start
+    m.shutdown()
