@@ -1,10 +1,11 @@
-"""Single-stream decode with n-gram speculative decoding against without, on the default model.
+"""Single-stream decode with speculative decoding against without, on the default model.
 
-    python benchmarks/speculative.py [--k 4] [--max-tokens 128] [--repeats 3]
+    python benchmarks/speculative.py [--k 4] [--max-tokens 128] [--repeats 3] [--draft-layers N]
 
 Two engines side by side in one process (the default model, SmolLM2-135M-Instruct Q4_1;
-one with `speculative_config={"method": "ngram", "num_speculative_tokens": k}`), greedy,
-one request at a time. Tasks:
+one with `speculative_config={"method": "ngram", "num_speculative_tokens": k}`, or with
+`--draft-layers N` a draft model: the default model's first N layers, written as a GGUF
+file by models/truncated.py), greedy, one request at a time. Tasks:
 
 - input-grounded: the model repeats or edits a given code snippet (its answer stops at
   the closing code fence), where the output copies the input;
@@ -52,10 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--draft-layers", type=int, default=None, help="a draft model: the default model's first N layers")
     args = p.parse_args(argv)
+    import tempfile
+    from pathlib import Path
+
     from portaserve import LLM, SamplingParams
+    from portaserve.framework.checkpoint import default_model_file
+    from portaserve.models.truncated import truncate_checkpoint
 
     config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    label = "n-gram speculation"
+    if args.draft_layers:
+        draft = truncate_checkpoint(default_model_file(), Path(tempfile.mkdtemp()) / "draft.gguf", args.draft_layers)
+        config, label = {"model": str(draft), "num_speculative_tokens": args.k}, f"a {args.draft_layers}-layer draft"
     plain, spec = LLM(max_model_len=2048), LLM(max_model_len=2048, speculative_config=config)
     rows = []
     for name, (text, grounded) in TASKS.items():
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {name} | {len(outs['plain'])} | {best['plain'] * 1e3:.0f} | {best['spec'] * 1e3:.0f} | "
                     f"{best['plain'] / best['spec']:.2f}x | {accepted / max(1, proposed):.0%} | "
                     f"{1 + accepted / max(1, drafts):.2f} | {outs['plain'] == outs['spec']} |")
-    print(f"n-gram speculation, k = {args.k}, greedy, one request (SmolLM2-135M-Instruct Q4_1):", file=sys.stderr)
+    print(f"{label}, k = {args.k}, greedy, one request (SmolLM2-135M-Instruct Q4_1):", file=sys.stderr)
     print("| task | tokens | without (ms) | with (ms) | speed-up | accepted | mean accepted length | identical |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
