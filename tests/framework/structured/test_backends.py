@@ -66,8 +66,8 @@ def test_a_compiling_request_holds_up_no_other():
         def poll(self, request):
             return self.ready
 
-        def bitmask(self, requests):
-            return tuple(r.request_id for r in requests), b"\xff" * 4 * len(requests)
+        def bitmask(self, requests, draft_rows=None):
+            return tuple(r.request_id for r in requests), b"\xff" * 4 * len(requests), ()
 
     manager = SlowCompiles()
     sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8,
