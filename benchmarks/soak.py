@@ -17,7 +17,8 @@ measured requests at the given concurrency. The mix:
 It records the resident memory of each server's whole process tree after the warm-up,
 halfway and at the end. The report gives the growth from halfway to the end, the KV
 blocks still in use once all is done (from /metrics), and how many requests were sent,
-answered, errored as expected, and lost (no complete answer and no error). The run fails
+answered, errored as expected, and lost (no complete answer and no error; the report
+lists each lost request's kind and what came back). The run fails
 (exit 1) on a lost request, KV blocks left in use, or growth over --max-growth (5%).
 """
 
@@ -147,8 +148,23 @@ BAD = [
 ]
 
 
-async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: httpx.AsyncClient) -> str:
-    """Send one request of `kind`; returns "ok", "error" (an expected error answer) or "lost"."""
+def judge(good: bool, kind: str, r: httpx.Response, notes: list[str], verdict: str = "ok") -> str:
+    """`verdict` when the answer is good, else "lost", noting what came back (a lost
+    request's kind and answer are in the report, to tell a flake from a bug)."""
+    if good:
+        return verdict
+    try:
+        body = r.text[-300:]
+    except httpx.ResponseNotRead:  # a stream
+        body = "(stream)"
+    notes.append(f"{kind}: HTTP {r.status_code}: {body}")
+    return "lost"
+
+
+async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: httpx.AsyncClient,
+              notes: list[str]) -> str:
+    """Send one request of `kind`; returns "ok", "error" (an expected error answer) or "lost"
+    (noted in `notes`)."""
     words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "soak", "test", "tokens"]) for _ in range(rng.randint(2, 40)))
     messages = [{"role": "user", "content": words}]
     chat, comp = gen.url + "/v1/chat/completions", gen.url + "/v1/completions"
@@ -165,24 +181,24 @@ async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: h
             if kind == "stop":
                 body.update(stop=["a", "b e"], max_tokens=24)
             r = await client.post(chat, json=body)
-            return "ok" if r.status_code == 200 and r.json()["choices"] else "lost"
+            return judge(r.status_code == 200 and r.json()["choices"], kind, r, notes)
         if kind == "completion":
             r = await client.post(comp, json={"model": "gen", "prompt": words, "max_tokens": max_tokens, "echo": True,
                                               "logprobs": 2})
-            return "ok" if r.status_code == 200 and r.json()["choices"] else "lost"
+            return judge(r.status_code == 200 and r.json()["choices"], kind, r, notes)
         if kind in ("chat_stream", "completion_stream"):
             url, body = (chat, {"messages": messages}) if kind == "chat_stream" else (comp, {"prompt": words})
             body.update(model="gen", max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
             async with client.stream("POST", url, json=body) as r:
                 lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-            return "ok" if r.status_code == 200 and lines and lines[-1] == "data: [DONE]" else "lost"
+            return judge(r.status_code == 200 and lines and lines[-1] == "data: [DONE]", kind, r, notes)
         if kind == "disconnect":
             body = {"model": "gen", "messages": messages, "max_tokens": 200, "ignore_eos": True, "stream": True}
             async with client.stream("POST", chat, json=body) as r:
                 async for line in r.aiter_lines():
                     if '"content":"' in line and '"content":""' not in line:
                         break  # leave mid-stream
-            return "ok" if r.status_code == 200 else "lost"
+            return judge(r.status_code == 200, kind, r, notes)
         if kind == "abort":
             try:
                 await client.post(comp, json={"model": "gen", "prompt": words, "max_tokens": 200, "ignore_eos": True},
@@ -193,30 +209,31 @@ async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: h
         if kind == "bad":
             r = await client.post(chat, json={"model": "gen", **rng.choice(BAD)})
             ok = r.status_code == 400 and r.json().get("error", {}).get("code") == 400
-            return "error" if ok else "lost"
+            return judge(ok, kind, r, notes, "error")
         if kind in ("image", "image_stream"):
             parts = [{"type": "text", "text": words}]
             parts += [{"type": "image_url", "image_url": {"url": image_url(rng)}} for _ in range(rng.randint(1, 2))]
             body = {"model": "gen", "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens}
             if kind == "image":
                 r = await client.post(chat, json=body)
-                return "ok" if r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 16 else "lost"
+                return judge(r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 16, kind, r, notes)
             body.update(stream=True)
             async with client.stream("POST", chat, json=body) as r:
                 lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-            return "ok" if r.status_code == 200 and lines and lines[-1] == "data: [DONE]" else "lost"
+            return judge(r.status_code == 200 and lines and lines[-1] == "data: [DONE]", kind, r, notes)
         if kind == "bad_image":
             broken = rng.choice(["data:image/png;base64,bm90IGFuIGltYWdl", "data:image/png;base64,%%%",
                                  "file:///etc/passwd", "http://169.254.169.254/latest/meta-data"])
             parts = [{"type": "text", "text": words}, {"type": "image_url", "image_url": {"url": broken}}]
             r = await client.post(chat, json={"model": "gen", "messages": [{"role": "user", "content": parts}]})
             err = r.json().get("error", {}) if r.status_code == 400 else {}
-            return "error" if "messages[0].content[1]" in err.get("message", "") else "lost"
+            return judge("messages[0].content[1]" in err.get("message", ""), kind, r, notes, "error")
         if kind == "embedding":
             inputs = [words] * rng.randint(1, 4)
             r = await client.post(emb.url + "/v1/embeddings", json={"model": "emb", "input": inputs})
-            return "ok" if r.status_code == 200 and len(r.json()["data"]) == len(inputs) else "lost"
-    except (httpx.HTTPError, ValueError, KeyError):
+            return judge(r.status_code == 200 and len(r.json()["data"]) == len(inputs), kind, r, notes)
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        notes.append(f"{kind}: {type(exc).__name__}: {exc}"[:400])
         return "lost"
     raise ValueError(kind)
 
@@ -225,7 +242,7 @@ async def run_mix(num: int, concurrency: int, gen: Server, emb: Server, seed: in
     rng = random.Random(seed)
     kinds = [KINDS[i % len(KINDS)] for i in range(num)]
     rng.shuffle(kinds)
-    counts = {"sent": 0, "ok": 0, "error": 0, "lost": 0}
+    counts: dict = {"sent": 0, "ok": 0, "error": 0, "lost": 0, "lost_details": []}
     queue: asyncio.Queue = asyncio.Queue()
     for k in kinds:
         queue.put_nowait(k)
@@ -238,7 +255,7 @@ async def run_mix(num: int, concurrency: int, gen: Server, emb: Server, seed: in
             while not queue.empty():
                 kind = queue.get_nowait()
                 counts["sent"] += 1
-                counts[await one(kind, gen, emb, random.Random(rng.random()), client)] += 1
+                counts[await one(kind, gen, emb, random.Random(rng.random()), client, counts["lost_details"])] += 1
                 done += 1
                 if on_half is not None and not half_taken and done >= num // 2:
                     half_taken = True
@@ -298,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests, "concurrency": args.concurrency, "warmup": warmup, "seconds": round(elapsed, 1),
         "sent": counts["sent"], "answered": counts["ok"], "errored": counts["error"], "lost": counts["lost"],
         "warmup_lost": warm["lost"],
+        # what came back for each lost request (its kind first), the first 20 of each round
+        "lost_details": counts["lost_details"][:20], "warmup_lost_details": warm["lost_details"][:20],
         "servers": {name: {"rss_mib_after_warmup": round(rss_warm[s.url] / 2**20, 1),
                            "rss_mib_halfway": round(rss_half[s.url] / 2**20, 1),
                            "rss_mib_end": round(rss_end[s.url] / 2**20, 1),

@@ -23,7 +23,8 @@ def test_short_soak_loses_nothing_and_frees_every_block(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     data = json.loads(report.read_text())
-    assert data["sent"] == 400 and data["lost"] == 0 and data["warmup_lost"] == 0
+    assert data["sent"] == 400 and data["lost"] == 0 and data["warmup_lost"] == 0, (
+        data["lost_details"], data["warmup_lost_details"])
     assert data["answered"] + data["errored"] == data["sent"] and data["errored"] > 0  # bad requests were sent
     for server in data["servers"].values():
         assert server["kv_cache_usage_after"] == 0.0
