@@ -42,9 +42,17 @@ def _truncate_folder(src: Path, dst: Path, num_layers: int) -> Path:
     if num_layers > config["num_hidden_layers"]:
         raise ValueError(f"num_layers {num_layers} exceeds the model's {config['num_hidden_layers']}")
     config["num_hidden_layers"] = num_layers
+    for key in ("layer_types",):  # per-layer lists follow the layers
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:num_layers]
+    if isinstance(config.get("max_window_layers"), int):
+        config["max_window_layers"] = min(config["max_window_layers"], num_layers)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
-    for shard in sorted(src.glob("*.safetensors")):
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{src} holds no .safetensors files")
+    for shard in shards:
         tensors.update({k: v for k, v in load_file(shard).items() if _kept(k, _HF_LAYER, num_layers)})
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst

@@ -70,7 +70,7 @@ class SchedulerOutput:
     grammar_req_ids: tuple[str, ...] = ()
     grammar_bitmask: Any = b""  # bytes, or a PendingBitmask filled while the model runs
     # rows per request of grammar_req_ids, in order: 1 + its proposals (a row per sampled
-    # position) when it speculates; empty when every request has one
+    # position) when it speculates, else 1 (an empty tuple: 1 each)
     grammar_rows: tuple[int, ...] = ()
     # speculative decoding: req_id -> proposed tokens, scheduled after its last token;
     # DRAFT_MODEL_SLOT entries are places the runner's draft model fills before the forward

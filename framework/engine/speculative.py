@@ -49,7 +49,9 @@ class SpeculativeConfig:
     gguf_file: str | None = None  # the draft's GGUF file inside `model`, when that is a folder
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in KEYS if getattr(self, key) is not None}
+        """The keys `parse` takes back (the n-gram range only for method 'ngram')."""
+        skip = {"prompt_lookup_min", "prompt_lookup_max"} if self.method == "draft_model" else set()
+        return {key: getattr(self, key) for key in KEYS if getattr(self, key) is not None and key not in skip}
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -74,9 +76,11 @@ class SpeculativeConfig:
         for name, v in (("model", model), ("gguf_file", gguf_file)):
             if v is not None and (not isinstance(v, str) or not v or len(v) > 4096):
                 raise invalid("speculative_config", f"{name} must be a non-empty path, got {v!r}")
-        if (method == "draft_model") != (model is not None):
+        if (method == "draft_model") != (model is not None) or (gguf_file is not None and model is None):
             raise invalid("speculative_config", "method 'draft_model' takes a 'model' (the draft's folder or GGUF "
-                                                "file) and method 'ngram' none")
+                                                "file, and 'gguf_file' in a folder) and method 'ngram' neither")
+        if method == "draft_model" and {"prompt_lookup_min", "prompt_lookup_max"} & set(value):
+            raise invalid("speculative_config", "prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only")
         k = value.get("num_speculative_tokens", 4)
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", value.get("prompt_lookup_min", 4))
         for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):

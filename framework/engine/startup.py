@@ -114,7 +114,7 @@ def _resolve_draft(config: EngineConfig, registry: PluginRegistry, plan: Executi
     if spec_config.get("model") is None:
         return None
     draft_config = config.model_copy(update={
-        "model": spec_config["model"], "gguf_file": spec_config.get("gguf_file"), "tokenizer": None,
+        "model": spec_config["model"], "gguf_file": spec_config.get("gguf_file"), "tokenizer": None, "revision": None,
         "served_model_name": None, "speculative_config": None, "enable_lora": False, "logits_processors": None,
         "quantization": None, "device": plan.platform.name, "block_size": plan.block_size,
         "max_model_len": max_model_len, "nnodes": 1})
@@ -125,10 +125,13 @@ def _resolve_draft(config: EngineConfig, registry: PluginRegistry, plan: Executi
     if draft.is_pooling or "vision_config" in draft.hf_config:
         raise InvalidParameterError("speculative_config", "speculative_config.model: the draft must be a text "
                                                           "decoder (not an embedding or vision-language model)")
-    if draft.vocab_size != int(hf_config.get("vocab_size", 0)):
+    # a draft of the same family may pad its embedding rows less (Qwen2.5-0.5B: 151936, 7B: 152064);
+    # a larger one could propose ids the target does not have
+    if not 0 < draft.vocab_size <= int(hf_config.get("vocab_size", 0)):
         raise InvalidParameterError(
             "speculative_config", f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) is "
-                                  f"not the target's ({hf_config.get('vocab_size')}); a draft must share the tokenizer")
+                                  f"larger than the target's ({hf_config.get('vocab_size')}); a draft must share the "
+                                  "target's tokenizer")
     logger.info("speculative decoding: draft model %s (%s)", draft.model_path, draft.plan.model_architecture.name)
     return draft
 

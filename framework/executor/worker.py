@@ -86,7 +86,7 @@ class Worker:
             "pid": os.getpid(),
             "num_tensors": len(params),
             "num_bytes": sum(p.numel() * p.element_size() for p in params),
-            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.runner.kv_caches),
+            "kv_cache_bytes": self._kv_cache_bytes(),
             "sleep_level": self._sleep_level,
         }
 
@@ -167,16 +167,26 @@ class Worker:
         from .weight_offload import OffloadedWeights
 
         runner = self.runner
-        kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        kv_bytes = self._kv_cache_bytes()
         if runner.kv_caches:
             runner.release_kv_cache()
             self._kv_released = True
         weight_bytes = 0
         if level >= 2 and getattr(self, "_offloaded", None) is None:
-            self._offloaded = OffloadedWeights(runner.model)
+            models = [runner.model] + ([runner.drafter.model] if runner.drafter is not None else [])
+            # one container: a tensor the two models share is released once
+            from torch import nn
+
+            self._offloaded = OffloadedWeights(models[0] if len(models) == 1 else nn.ModuleList(models))
             weight_bytes = self._offloaded.num_bytes
         self.platform.synchronize(self.where.local_rank)
         return {"kv_cache_bytes": kv_bytes, "weights_bytes": weight_bytes}
+
+    def _kv_cache_bytes(self) -> int:
+        """The KV caches' bytes on this rank (the draft model's too)."""
+        runner = self.runner
+        caches = [*runner.kv_caches, *(runner.drafter.kv_caches if runner.drafter is not None else ())]
+        return sum(t.numel() * t.element_size() for t in caches)
 
     def wake_up(self, tags: list[str]) -> dict:
         """Restore what `sleep` released: "weights" back on the device, "kv_cache" reallocated."""
@@ -187,7 +197,7 @@ class Worker:
             self._offloaded = None
         if "kv_cache" in tags and getattr(self, "_kv_released", False):
             runner.initialize_kv_cache(runner.num_blocks)
-            kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+            kv_bytes = self._kv_cache_bytes()
             self._kv_released = False
         return {"kv_cache_bytes": kv_bytes, "weights_bytes": weight_bytes}
 

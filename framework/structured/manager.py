@@ -172,7 +172,7 @@ class StructuredOutputManager:
         matcher = request.grammar.matcher
         drafts = drafts[:MAX_ROLLBACK_TOKENS]
         rows = torch.full((len(drafts) + 1, bitmask_words(self.spec.vocab_size)), -1, dtype=torch.int32)
-        kept = 0
+        advanced, ended = 0, False
         try:
             for j in range(len(drafts) + 1):
                 matcher.fill_bitmask(rows, j)
@@ -183,18 +183,32 @@ class StructuredOutputManager:
                 # leave some matchers in an error state that no rollback undoes)
                 if not (int(rows[j, token // 32]) >> (token % 32)) & 1 or not matcher.accept_token(token):
                     break
-                kept += 1
+                advanced += 1
+                if matcher.is_terminated():
+                    # a stop token ended the grammar: a terminated matcher has no next-token
+                    # mask, so it is not proposed; the verification samples it itself, at
+                    # this position, under this position's row
+                    ended = True
+                    break
         finally:
-            if kept:
-                matcher.rollback(kept)
+            if advanced:
+                matcher.rollback(advanced)
+        kept = advanced - ended
         return drafts[:kept], rows[:kept + 1].clone()
 
     def accept_all(self, request: Any, tokens: tuple[int, ...]) -> int | None:
         """`accept` each of a step's tokens in order (accepted proposals, then the sampled
-        one); the first the grammar refuses, or None when it takes them all."""
+        one) up to the first that ends the request (the tokens after it are not output);
+        the first the grammar refuses, or None when it takes them all."""
+        params = request.sampling_params
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops |= set(request.eos_token_ids)
         for token in tokens:
             if not self.accept(request, token):
                 return token
+            if token in stops:
+                break
         return None
 
     def accept(self, request: Any, token: int) -> bool:

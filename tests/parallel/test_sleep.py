@@ -95,3 +95,26 @@ def test_sleep_level2_on_an_int8_engine_restores_the_same_outputs(checkpoint):
         assert generate_ids(llm, PROMPTS) == want
     finally:
         llm.shutdown()
+
+
+def test_sleep_level2_moves_the_draft_model_too(checkpoint, reference_ids, tmp_path):
+    """With a draft model (speculative decoding) level 2 frees the draft's weights and KV
+    cache as well, and after wake_up the engine gives the same tokens."""
+    from portaserve.models.truncated import truncate_checkpoint
+
+    draft = truncate_checkpoint(checkpoint(ARCH), tmp_path / "draft", 2)
+    llm = LLM(checkpoint(ARCH), speculative_config={"model": str(draft), "num_speculative_tokens": 3}, **ENGINE_KW)
+    try:
+        want = reference_ids(PROMPTS, 8, ARCH, 0)
+        assert generate_ids(llm, PROMPTS) == want
+        runner = llm.llm_engine.core.executor.worker.runner
+        kv = _kv_bytes(llm)
+        assert kv > sum(t.numel() * t.element_size() for t in runner.kv_caches)  # the draft's cache counts
+        released = llm.sleep(level=2)
+        assert released["kv_cache_bytes"] == kv
+        assert all(p.numel() == 0 for p in runner.drafter.model.parameters())
+        assert llm.wake_up()["kv_cache_bytes"] == kv
+        assert generate_ids(llm, PROMPTS) == want
+        assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()

@@ -97,6 +97,11 @@ def test_proposals_are_cut_where_the_grammar_refuses_them(name):
     from portaserve.framework.testing.structured_checks import allowed, qwen2_vocab
 
     vocab, tok = qwen2_vocab()
+
+    def allowed_row(row):
+        bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return set(torch.nonzero(bits.flatten()[:vocab.vocab_size]).flatten().tolist())
+
     compiled = backend(name)(vocab).compile(Constraint("regex", "(ab|cd)+"))
     m = mgr.StructuredOutputManager(SimpleNamespace(vocab_size=vocab.vocab_size), name)
     matcher = compiled.matcher(mgr.MAX_ROLLBACK_TOKENS)
@@ -115,6 +120,15 @@ def test_proposals_are_cut_where_the_grammar_refuses_them(name):
             assert reference.accept_token(token)
     assert allowed(matcher) == start and matcher.accept_token(cd)  # back at the start, and usable
     matcher.rollback(1)
+    # a stop token ends the grammar: it is not proposed (the verification samples it itself)
+    from portaserve.framework.testing.structured_checks import STOP_IDS
+
+    kept, rows = m.draft_rows(request, (ab, STOP_IDS[0], cd))
+    assert kept == (ab,) and rows.shape[0] == 2 and STOP_IDS[0] in allowed_row(rows[1]) and allowed(matcher) == start
     kept, rows = m.draft_rows(request, (x, ab))  # the first proposal refused: none kept, position 0's row
     assert kept == () and rows.shape[0] == 1 and allowed(matcher) == start
+    # a step's tokens feed the grammar up to the one that ends the request (EOS here)
+    request.sampling_params = SimpleNamespace(stop_token_ids=[], ignore_eos=False)
+    request.eos_token_ids = {STOP_IDS[0]}
+    assert m.accept_all(request, (ab, STOP_IDS[0], x)) is None and matcher.is_terminated()
     m.shutdown()
