@@ -9,16 +9,17 @@ and its k places, and the draft writes the KV of positions up to n + k - 2 only.
 
 What the draft proposes never changes the output (the target verifies every token, see
 speculation.py), only how many proposals are accepted. That is why its bookkeeping can
-stay simple: per request, the tokens whose KV its cache holds (`_Progress`). After a
+stay simple: per request, the tokens whose KV its cache holds (`_Progress`). While the
+target computes a prompt, the draft computes the same chunks in the same step (`follow`),
+prefix-cached tokens included (the draft KV of prefix-cached blocks is not trusted: a
+block may have been cached by a request whose draft never ran over it). After a
 verification the positions up to the first rejected proposal are still right, and the
-next proposal first catches up from there: the tokens the target sampled, or the whole
-prompt the first time (the draft KV of prefix-cached blocks is not trusted: a block may
-have been cached by a request whose draft never ran over it).
+next proposal first catches up from there: the tokens the target sampled.
 
 The draft runs through its own forward of the plan's compilation choice (decode graphs on
-the CPU): every draft step is a pure decode, its catch-up after a verification included
-(the few tokens become one-token queries, as in speculation.decode_rows). Only a long
-catch-up (a new request's prompt) is a prefill, run in chunks of the step's token budget.
+the CPU): every draft step of a proposal is a pure decode, its catch-up after a
+verification included (the few tokens become one-token queries, as in
+speculation.decode_rows). Prompts are prefills, in chunks of the step's token budget.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class DraftModel:
         self.kv_caches: list[torch.Tensor] = []
         self.progress: dict[str, _Progress] = {}
         self.num_forwards = 0  # draft forward passes run (tests, profiling)
+        self.num_caught_up = 0  # the most tokens a proposal had to catch up on in one forward (tests)
 
     def load(self) -> None:
         self.model = build_model(self.spec.plan, self.registry, self.spec.model_path, self.device,
@@ -113,6 +115,21 @@ class DraftModel:
 
     # ----- proposing ---------------------------------------------------------------------
 
+    def follow(self, states: Sequence[RequestState]) -> None:
+        """Compute the draft KV of the prompt tokens the target computed this step (its
+        prefill chunks), so a request's first proposal has only its first sampled token to
+        catch up on instead of its whole prompt."""
+        rows, ends = [], []
+        for state in states:
+            progress = self.progress.setdefault(state.req_id, _Progress())
+            start = progress.known_right(state.token_ids)
+            if start < state.num_computed_tokens:
+                rows.append(dataclasses.replace(state, num_computed_tokens=start))
+                ends.append(state.num_computed_tokens)
+            self.progress[state.req_id] = _Progress(max(start, state.num_computed_tokens))
+        if rows:
+            self._catch_up(rows, ends, sample=False)
+
     def propose(self, states: Sequence[RequestState], ks: Sequence[int]) -> dict[str, tuple[int, ...]]:
         """The next `ks[i]` tokens of each request, each the draft's argmax given the ones
         before it. `states[i].token_ids` are the request's known tokens."""
@@ -121,24 +138,9 @@ class DraftModel:
             tokens = list(state.token_ids)
             start = min(self.progress.setdefault(state.req_id, _Progress()).known_right(tokens), len(tokens) - 1)
             rows.append(dataclasses.replace(state, token_ids=tokens, num_computed_tokens=start))
-        proposals: dict[int, list[int]] = {i: [] for i in range(len(rows))}
         # catch up: each request's tokens the draft has not seen, the last one's logits giving d1
-        pending = list(range(len(rows)))
-        while pending:
-            chosen, counts, budget = [], [], self.max_tokens_per_step
-            for i in pending:
-                if budget <= 0:
-                    break
-                count = min(len(rows[i].token_ids) - rows[i].num_computed_tokens, budget)
-                chosen.append(i)
-                counts.append(count)
-                budget -= count
-            done = [i for i, c in zip(chosen, counts) if rows[i].num_computed_tokens + c == len(rows[i].token_ids)]
-            for i, token in zip(done, self._forward([rows[i] for i in chosen], counts, done_of=chosen, done=done)):
-                proposals[i].append(token)
-            for i, c in zip(chosen, counts):
-                rows[i].num_computed_tokens += c
-            pending = [i for i in pending if rows[i].num_computed_tokens < len(rows[i].token_ids)]
+        first = self._catch_up(rows, [len(row.token_ids) for row in rows], sample=True)
+        proposals: dict[int, list[int]] = {i: [first[i]] for i in range(len(rows))}
         # then one token per round: d(j) in, d(j + 1) out
         for j in range(1, max(ks, default=0)):
             active = [i for i, k in enumerate(ks) if k > j]
@@ -152,6 +154,30 @@ class DraftModel:
             out[state.req_id] = tuple(proposals[i][:k])
             # the draft KV now holds the known tokens, then the proposals but the last
             self.progress[state.req_id] = _Progress(len(state.token_ids), out[state.req_id][:-1])
+        return out
+
+    def _catch_up(self, rows: list[RequestState], ends: list[int], sample: bool) -> dict[int, int]:
+        """Run each row from its computed tokens to `ends[i]`, in chunks of the step's token
+        budget; with `sample`, the argmax after each row's last token, by row index."""
+        out: dict[int, int] = {}
+        pending = list(range(len(rows)))
+        while pending:
+            chosen, counts, budget = [], [], self.max_tokens_per_step
+            for i in pending:
+                if budget <= 0:
+                    break
+                count = min(ends[i] - rows[i].num_computed_tokens, budget)
+                chosen.append(i)
+                counts.append(count)
+                budget -= count
+            done = [i for i, c in zip(chosen, counts) if sample and rows[i].num_computed_tokens + c == ends[i]]
+            for i, token in zip(done, self._forward([rows[i] for i in chosen], counts, done_of=chosen, done=done)):
+                out[i] = token
+            for i, c in zip(chosen, counts):
+                rows[i].num_computed_tokens += c
+                if sample:
+                    self.num_caught_up = max(self.num_caught_up, c)
+            pending = [i for i in pending if rows[i].num_computed_tokens < ends[i]]
         return out
 
     def _forward(self, rows: list[RequestState], counts: list[int], done_of: list[int] | None = None,

@@ -246,6 +246,9 @@ class ModelRunner:
         hidden = self._run_model(inputs)
         for state, n in zip(inputs.states, inputs.query_lens.tolist()):
             state.num_computed_tokens += n
+        if self.drafter is not None:  # the draft computes the prompt chunks the target just did
+            self.drafter.follow([s for s, n in zip(inputs.states, inputs.query_lens.tolist())
+                                 if n > 1 and s.req_id not in drafts])
         if self.spec.is_pooling:
             return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
         prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)

@@ -131,6 +131,10 @@ def test_greedy_seeded_and_logprobs_unchanged_in_mixed_batches(folders):
     assert ids(run(spec, prompts, again)) == ids(run(plain, prompts, again))
     assert spec.llm_engine.stats().prefix_cache_hits > 0
     assert 0.3 <= acceptance(spec) <= 0.9
+    # the draft computed each prompt beside the target's prefill: a proposal only ever
+    # caught up on a verification's tokens (at most k + 1), never on a prompt
+    drafter = spec.llm_engine.core.executor.worker.runner.drafter
+    assert 1 <= drafter.num_caught_up <= 5
 
 
 @pytest.mark.slow
@@ -145,6 +149,7 @@ def test_preemption_stop_strings_and_the_last_token(folders):
     assert ids(run(tight, prompts, params)) == want
     assert tight.llm_engine.stats().num_preemptions > 0
     assert 0.3 <= acceptance(tight) <= 0.9
+    assert tight.llm_engine.core.executor.worker.runner.drafter.num_caught_up <= 5  # resumed prompts too
     spec = LLM(target, dtype="float32", block_size=16, speculative_config=draft_config(draft, k=3))
     probe = run(spec, prompts[:1], params)[0].outputs[0]
     stop = probe.text[9:11]
