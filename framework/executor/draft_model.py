@@ -82,6 +82,10 @@ class DraftModel:
         self.forward: EagerForward | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.progress: dict[str, _Progress] = {}
+        self.never: set[str] = set()  # requests that get no proposals (under a grammar): not followed
+        # a draft may have fewer embedding rows than the target (padding): ids past them are
+        # clamped to its last row before its embedding (they change only what it proposes)
+        self.vocab_size = spec.vocab_size
         self.num_forwards = 0  # draft forward passes run (tests, profiling)
         self.num_caught_up = 0  # the most tokens a proposal had to catch up on in one forward (tests)
 
@@ -112,21 +116,26 @@ class DraftModel:
     def forget(self, req_id: str) -> None:
         """A request finished or was preempted (its blocks are gone)."""
         self.progress.pop(req_id, None)
+        self.never.discard(req_id)
 
     # ----- proposing ---------------------------------------------------------------------
 
     def follow(self, states: Sequence[RequestState]) -> None:
-        """Compute the draft KV of the prompt tokens the target computed this step (its
-        prefill chunks), so a request's first proposal has only its first sampled token to
-        catch up on instead of its whole prompt."""
+        """After a step without proposals for `states`: compute the draft KV of the tokens
+        the target computed (prompt chunks, prefix-cached prompts, resumed requests) when
+        the draft is more than a proposal's catch-up behind, so a request's first proposal
+        catches up on a few tokens, not its whole prompt. Smaller gaps are left to `propose`
+        (one-token rows)."""
         rows, ends = [], []
         for state in states:
+            if state.req_id in self.never:
+                continue
             progress = self.progress.setdefault(state.req_id, _Progress())
             start = progress.known_right(state.token_ids)
-            if start < state.num_computed_tokens:
+            if state.num_computed_tokens - start > self.max_catch_up_rows:
                 rows.append(dataclasses.replace(state, num_computed_tokens=start))
                 ends.append(state.num_computed_tokens)
-            self.progress[state.req_id] = _Progress(max(start, state.num_computed_tokens))
+                self.progress[state.req_id] = _Progress(state.num_computed_tokens)
         if rows:
             self._catch_up(rows, ends, sample=False)
 
@@ -193,6 +202,7 @@ class DraftModel:
         batch, input_ids, positions = self.forward.prepare(host.batch, host.input_ids, host.positions)
         metadata = {t: backend.build_metadata(batch) for t, backend in self.backends.items()}
         step = StepContext(attn_metadata=metadata, kv_caches=self.kv_caches, query_start_loc=batch.query_start_loc)
+        input_ids = input_ids.clamp(max=self.vocab_size - 1) if int(input_ids.max()) >= self.vocab_size else input_ids
         hidden = self.forward(input_ids.to(self.device), positions.to(self.device), step)[: host.batch.num_actual_tokens]
         self.num_forwards += 1
         ends = host.query_start_loc[1:] - 1

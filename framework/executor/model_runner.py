@@ -188,6 +188,8 @@ class ModelRunner:
         for new in sched.new_requests:
             if self.drafter is not None:  # new, or resumed with other blocks
                 self.drafter.forget(new.req_id)
+                if new.sampling_params is not None and new.sampling_params.structured_outputs is not None:
+                    self.drafter.never.add(new.req_id)  # the scheduler never proposes for it (may_speculate)
             if new.req_id in self.requests:  # resumed after preemption without a finish notice
                 self.sampling.remove_request(new.req_id)
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
@@ -247,8 +249,7 @@ class ModelRunner:
         for state, n in zip(inputs.states, inputs.query_lens.tolist()):
             state.num_computed_tokens += n
         if self.drafter is not None:  # the draft computes the prompt chunks the target just did
-            self.drafter.follow([s for s, n in zip(inputs.states, inputs.query_lens.tolist())
-                                 if n > 1 and s.req_id not in drafts])
+            self.drafter.follow([s for s in inputs.states if s.req_id not in drafts])
         if self.spec.is_pooling:
             return ModelRunnerOutput(pooler_output=self._pool(inputs, hidden))
         prompt_logprobs = self._prompt_logprobs(inputs.states, inputs.query_start_loc, hidden)

@@ -163,6 +163,37 @@ def test_preemption_stop_strings_and_the_last_token(folders):
 
 
 @pytest.mark.slow
+def test_a_draft_with_fewer_embedding_rows_and_a_grammar_request(folders, tmp_path):
+    """A draft padded to fewer rows than the target (Qwen2.5-0.5B against 7B): prompt ids
+    past its rows reach it clamped, not as an out-of-range lookup; a request under a
+    grammar decodes without proposals beside speculating ones, all as without the draft."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from portaserve.framework.structured.params import StructuredOutputsParams
+
+    target, draft = folders
+    small = tmp_path / "small-vocab"
+    shutil.copytree(draft, small)
+    config = json.loads((small / "config.json").read_text())
+    rows = config["vocab_size"] - 64
+    config["vocab_size"] = rows
+    (small / "config.json").write_text(json.dumps(config))
+    weights = load_file(small / "model.safetensors")
+    weights = {k: (v[:rows] if v.shape[0] == rows + 64 else v) for k, v in weights.items()}
+    save_file(weights, small / "model.safetensors", metadata={"format": "pt"})
+    prompts = [{"prompt_token_ids": [rows + 5, 300, 301, rows + 7, 300, 301, rows + 5, 300]}, *repetitive_prompts(3, 6)]
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    regex = SamplingParams(max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(regex="(ab|cd){3,9}"))
+    params = [greedy, regex, greedy, greedy]
+    plain = LLM(target, dtype="float32", block_size=16)
+    spec = LLM(target, dtype="float32", block_size=16, speculative_config=draft_config(small))
+    assert ids(run(spec, prompts, params)) == ids(run(plain, prompts, params))
+    assert acceptance(spec) > 0
+
+
+@pytest.mark.slow
 def test_a_draft_identical_to_the_target_is_always_accepted(folders):
     """Every proposal of the target itself (float32, unquantized) is accepted: a draft KV
     entry left stale after a rejection, or written at the wrong slot, would show here."""
