@@ -190,6 +190,8 @@ async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: h
             url, body = (chat, {"messages": messages}) if kind == "chat_stream" else (comp, {"prompt": words})
             body.update(model="gen", max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
             async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()  # the error body, for the report
                 lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             return judge(r.status_code == 200 and lines and lines[-1] == "data: [DONE]", kind, r, notes)
         if kind == "disconnect":
@@ -219,6 +221,8 @@ async def one(kind: str, gen: Server, emb: Server, rng: random.Random, client: h
                 return judge(r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 16, kind, r, notes)
             body.update(stream=True)
             async with client.stream("POST", chat, json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()  # the error body, for the report
                 lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             return judge(r.status_code == 200 and lines and lines[-1] == "data: [DONE]", kind, r, notes)
         if kind == "bad_image":

@@ -8,6 +8,7 @@ prefix cache, its KV blocks).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,9 @@ from portaserve.framework.errors import InvalidParameterError, invalid
 
 if TYPE_CHECKING:  # the plan (and torch) are not needed to validate requests
     from portaserve.framework.engine.startup import EngineSpec
+
+#: guards the lazy build of Processor.mm_processor (request threads race for it)
+_MM_PROCESSOR_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +56,21 @@ class InputProcessor:
 
     @property
     def mm_processor(self):
-        """The model's ImagePromptProcessor (vision-language models), else None."""
-        if not hasattr(self, "_mm_processor"):
-            self._mm_processor = None
-            if "vision_config" in self.spec.hf_config:
-                from portaserve.framework.plugins import get_registry
+        """The model's ImagePromptProcessor (vision-language models), else None. Built on
+        first use, once: the server's request threads ask for it concurrently, and none may
+        see it before it is built (a first burst of image requests was refused as "not a
+        vision-language model" while another thread was still building it)."""
+        with _MM_PROCESSOR_LOCK:
+            if not hasattr(self, "_mm_processor"):
+                processor = None
+                if "vision_config" in self.spec.hf_config:
+                    from portaserve.framework.plugins import get_registry
 
-                cls = self.spec.plan.model_class(get_registry())
-                factory = getattr(cls, "multimodal_processor", None)
-                if factory is not None:
-                    self._mm_processor = factory(self.spec.hf_config, self.spec.model_path)
+                    cls = self.spec.plan.model_class(get_registry())
+                    factory = getattr(cls, "multimodal_processor", None)
+                    if factory is not None:
+                        processor = factory(self.spec.hf_config, self.spec.model_path)
+                self._mm_processor = processor
         return self._mm_processor
 
     def _images(self, prompt: Any) -> list:
